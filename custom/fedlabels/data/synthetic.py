@@ -1,0 +1,354 @@
+"""Embedded default data: small deterministic scenarios generated from a seed.
+
+Three families, each written as a scenario folder (profile.py):
+
+* ``cxr`` -- multi-label chest-X-ray-like grayscale images, 6 co-occurring
+  findings, 4 sites labeling the classes of FedPSL's Table I, per-site
+  acquisition shift (contrast, gamma, noise), imbalanced prevalence;
+* ``medmnist`` -- 28 px RGB multi-class images, 8 classes, Dirichlet(gamma)
+  label split over the sites, some sites unlabeled;
+* ``lesion`` -- 2D lesion segmentation (some images lesion-free), per-site
+  supervision pixel | bbox | image | none, boxes from masks plus a random
+  1-10 px margin.
+
+``default_scenario(family)`` generates into a cache folder on first use (under
+a file lock, so simultaneous simulator clients generate it once).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from ..profile import SiteProfile, scenario_writer, write_json_atomic, write_site, write_yaml
+
+FAMILIES = ("cxr", "medmnist", "lesion")
+
+CXR_CLASSES = ["infiltration", "effusion", "atelectasis", "nodule", "consolidation", "pneumothorax"]
+# FedPSL Table I: which classes each of the four sites annotates.
+CXR_SITE_CLASSES = [
+    ["infiltration", "effusion", "atelectasis"],
+    ["effusion", "atelectasis", "nodule"],
+    ["atelectasis", "nodule", "consolidation"],
+    ["nodule", "consolidation", "pneumothorax"],
+]
+CXR_PREVALENCE = [0.22, 0.2, 0.18, 0.14, 0.1, 0.08]
+
+MEDMNIST_CLASSES = ["disc", "ring", "square", "cross", "pair", "bar", "triangle", "ellipse"]
+LESION_CLASSES = ["lesion"]
+
+
+def _grid(size):
+    y, x = np.mgrid[0:size, 0:size].astype(np.float32)
+    return 2 * y / (size - 1) - 1, 2 * x / (size - 1) - 1
+
+
+def _smooth_noise(rng, size, scale):
+    """Low-frequency noise: a coarse random grid upsampled bilinearly."""
+    coarse = rng.standard_normal((scale, scale)).astype(np.float32)
+    im = Image.fromarray(coarse).resize((size, size), Image.BILINEAR)
+    return np.asarray(im)
+
+
+def _shift(rng):
+    """One site's acquisition: contrast, gamma, offset, noise level."""
+    return {
+        "contrast": float(rng.uniform(0.75, 1.25)),
+        "gamma": float(rng.uniform(0.75, 1.35)),
+        "offset": float(rng.uniform(-0.06, 0.06)),
+        "noise": float(rng.uniform(0.02, 0.06)),
+    }
+
+
+def _acquire(img, shift, rng):
+    img = np.clip(img, 0, 1) ** shift["gamma"]
+    img = (img - 0.5) * shift["contrast"] + 0.5 + shift["offset"]
+    img = img + rng.normal(0, shift["noise"], img.shape)
+    return np.clip(img, 0, 1)
+
+
+# ------------------------------------------------------------------ cxr
+
+
+def cxr_image(rng, labels, size, shift):
+    """A chest-like radiograph with the findings flagged in ``labels``."""
+    y, x = _grid(size)
+    sx, sy = rng.uniform(0.9, 1.08), rng.uniform(0.9, 1.08)
+    dx, dy = rng.uniform(-0.05, 0.05, 2)
+    y, x = (y - dy) / sy, (x - dx) / sx
+    body = ((x / 0.92) ** 2 + (y / 1.05) ** 2 < 1).astype(np.float32)
+    img = 0.15 + 0.45 * body
+    lungs = []
+    for side in (-1, 1):
+        lung = ((x - side * 0.4) / 0.3) ** 2 + ((y + 0.05) / 0.6) ** 2 < 1
+        lungs.append(lung)
+        img = np.where(lung, 0.22, img)
+    img = img + 0.03 * np.sin(y * 22) * (lungs[0] | lungs[1])  # ribs
+    heart = ((x - 0.1) / 0.24) ** 2 + ((y - 0.3) / 0.2) ** 2 < 1
+    img = np.where(heart, 0.58, img)
+    img = img + 0.03 * _smooth_noise(rng, size, 8)
+    side = rng.integers(2)
+    lung = lungs[side]
+    cx = (side * 2 - 1) * 0.4
+    if labels[0]:  # infiltration: hazy patchy opacity over one lung
+        haze = np.clip(_smooth_noise(rng, size, 6), 0, None)
+        img = img + rng.uniform(0.12, 0.22) * haze * lung
+    if labels[1]:  # effusion: fluid level at the lung base
+        level = rng.uniform(0.25, 0.4)
+        fluid = lung & (y > level + 0.08 * np.abs(x - cx))
+        img = np.where(fluid, img + rng.uniform(0.2, 0.3), img)
+    if labels[2]:  # atelectasis: a thin dense band across the lung
+        ang = rng.uniform(-0.6, 0.6)
+        off = rng.uniform(-0.3, 0.2)
+        dist = np.abs((y - off) * np.cos(ang) - (x - cx) * np.sin(ang))
+        img = img + rng.uniform(0.15, 0.25) * np.exp(-(dist / 0.035) ** 2) * lung
+    if labels[3]:  # nodule: one or two small round opacities
+        for _ in range(rng.integers(1, 3)):
+            ny, nx = rng.uniform(-0.45, 0.35), cx + rng.uniform(-0.15, 0.15)
+            r = rng.uniform(0.045, 0.07)
+            img = img + rng.uniform(0.2, 0.3) * np.exp(-(((x - nx) ** 2 + (y - ny) ** 2) / r**2) ** 2)
+    if labels[4]:  # consolidation: a large dense irregular region
+        cy_, cx_ = rng.uniform(-0.3, 0.3), cx + rng.uniform(-0.1, 0.1)
+        blob = np.exp(-((x - cx_) ** 2 + (y - cy_) ** 2) / 0.03) + 0.4 * _smooth_noise(rng, size, 10)
+        img = img + rng.uniform(0.18, 0.28) * (blob > 0.5) * lung
+    if labels[5]:  # pneumothorax: dark lucent rim, no markings, at the lateral apex
+        rim = lung & ((x - cx) * (side * 2 - 1) > 0.12) & (y < 0.15)
+        img = np.where(rim, 0.06, img)
+    return _acquire(img, shift, rng)
+
+
+def _cxr_labels(rng, n):
+    # Prevalence plus a shared latent "severity" so findings co-occur.
+    severity = rng.normal(0, 1, (n, 1))
+    logits = np.log(np.array(CXR_PREVALENCE) / (1 - np.array(CXR_PREVALENCE))) + 0.6 * severity
+    return (rng.random((n, len(CXR_CLASSES))) < 1 / (1 + np.exp(-logits))).astype(int)
+
+
+# ------------------------------------------------------------- medmnist
+
+
+def medmnist_image(rng, label, size, shift):
+    y, x = _grid(size)
+    cy, cx = rng.uniform(-0.2, 0.2, 2)
+    s = rng.uniform(0.75, 1.1)
+    ang = rng.uniform(0, np.pi)
+    yr = ((y - cy) * np.cos(ang) - (x - cx) * np.sin(ang)) / s
+    xr = ((y - cy) * np.sin(ang) + (x - cx) * np.cos(ang)) / s
+    r = np.sqrt(xr**2 + yr**2)
+    shape = {
+        0: r < 0.45,
+        1: (r < 0.55) & (r > 0.32),
+        2: (np.abs(xr) < 0.4) & (np.abs(yr) < 0.4),
+        3: ((np.abs(xr) < 0.13) | (np.abs(yr) < 0.13)) & (r < 0.6),
+        4: (np.hypot(xr - 0.3, yr) < 0.25) | (np.hypot(xr + 0.3, yr) < 0.25),
+        5: (np.abs(xr) < 0.6) & (np.abs(yr) < 0.15),
+        6: (yr > -0.4) & (yr < 0.45) & (np.abs(xr) < (yr + 0.4) * 0.6),
+        7: (xr / 0.6) ** 2 + (yr / 0.3) ** 2 < 1,
+    }[int(label)].astype(np.float32)
+    tint = np.array([0.85, 0.45, 0.6]) + rng.normal(0, 0.08, 3)
+    bg = np.array([0.92, 0.85, 0.88]) + rng.normal(0, 0.04, 3)
+    texture = 0.08 * _smooth_noise(rng, size, 5)
+    img = shape[..., None] * tint + (1 - shape[..., None]) * bg + texture[..., None]
+    return _acquire(img, shift, rng)
+
+
+# --------------------------------------------------------------- lesion
+
+
+def lesion_image(rng, size, shift, lesion: bool):
+    """Skin-like RGB image and its lesion mask (all zeros when lesion-free)."""
+    y, x = _grid(size)
+    skin = np.array([0.86, 0.66, 0.56]) + rng.normal(0, 0.03, 3)
+    img = np.broadcast_to(skin, (size, size, 3)).copy() + 0.05 * _smooth_noise(rng, size, 6)[..., None]
+    mask = np.zeros((size, size), bool)
+    if lesion:
+        field = np.zeros((size, size), np.float32)
+        cy, cx = rng.uniform(-0.35, 0.35, 2)
+        for _ in range(rng.integers(2, 5)):
+            by, bx = cy + rng.normal(0, 0.12), cx + rng.normal(0, 0.12)
+            sig = rng.uniform(0.12, 0.25)
+            field += np.exp(-((x - bx) ** 2 + (y - by) ** 2) / (2 * sig**2))
+        field += 0.15 * _smooth_noise(rng, size, 8)
+        mask = field > 0.6
+        lesion_col = np.array([0.42, 0.25, 0.18]) + rng.normal(0, 0.04, 3)
+        inner = np.clip((field - 0.6) * 2, 0, 1)[..., None]
+        img = np.where(mask[..., None], lesion_col * (1 - 0.4 * inner) + 0.04 * _smooth_noise(rng, size, 12)[..., None], img)
+    # Hairs and small dark specks as distractors.
+    for _ in range(rng.integers(0, 3)):
+        ang, off = rng.uniform(0, np.pi), rng.uniform(-0.8, 0.8)
+        d = np.abs(y * np.cos(ang) - x * np.sin(ang) - off)
+        img = np.where((d < 0.015)[..., None], img * 0.5, img)
+    return _acquire(img, shift, rng), mask
+
+
+def box_from_mask(mask, rng, cls=0):
+    """Tightest box around the mask plus an independent 1-10 px margin per side,
+    clamped to the image; [x0, y0, x1, y1, class] with exclusive x1, y1."""
+    ys, xs = np.nonzero(mask)
+    h, w = mask.shape
+    m = rng.integers(1, 11, 4)
+    return [int(max(0, xs.min() - m[0])), int(max(0, ys.min() - m[1])),
+            int(min(w, xs.max() + 1 + m[2])), int(min(h, ys.max() + 1 + m[3])), int(cls)]
+
+
+# ------------------------------------------------------------- writing
+
+
+def _save_png(path, arr):
+    arr = np.asarray(arr)
+    if arr.dtype != np.uint8:
+        arr = (np.clip(arr, 0, 1) * 255).round().astype(np.uint8)
+    Image.fromarray(arr).save(path)
+
+
+def _split(items, val_fraction, rng):
+    idx = rng.permutation(len(items))
+    n_val = max(1, int(round(len(items) * val_fraction)))
+    return [items[i] for i in sorted(idx[n_val:])], [items[i] for i in sorted(idx[:n_val])]
+
+
+def generate(family: str, out, seed: int = 0, size: int | None = None, cases: int | None = None,
+             test_cases: int | None = None, sites: int = 4, gamma: float = 0.8, labeled=None, supervision=None,
+             val_fraction: float = 0.15, progress=None) -> Path:
+    """Write one synthetic scenario folder atomically; returns its path.
+
+    ``cases`` is per site (cxr, lesion) or in total (medmnist).
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown synthetic family {family!r}; choose one of {FAMILIES}")
+    rng = np.random.default_rng(seed)
+    say = progress or (lambda msg: None)
+    names = [f"site-{i + 1}" for i in range(sites)]
+    shifts = [_shift(rng) for _ in names]
+    with scenario_writer(out) as tmp:
+        if family == "cxr":
+            size, cases, test_cases = size or 64, cases or 300, test_cases or 400
+            if sites != len(CXR_SITE_CLASSES):
+                raise ValueError("the cxr family has the 4 sites of FedPSL Table I")
+            task, classes = "multilabel", CXR_CLASSES
+            for k, name in enumerate(names):
+                labels = _cxr_labels(rng, cases)
+                keep = np.array([c in CXR_SITE_CLASSES[k] for c in CXR_CLASSES])
+                items, oracle = [], []
+                for i in range(cases):
+                    rel = f"images/{i:05d}.png"
+                    _save_png(_mk(tmp / name / "images") / f"{i:05d}.png", cxr_image(rng, labels[i], size, shifts[k]))
+                    items.append({"image": rel, "label": np.where(keep, labels[i], -1).tolist()})
+                    oracle.append({"image": rel, "label": labels[i].tolist()})
+                train, val = _split(items, val_fraction, rng)
+                profile = SiteProfile(name, task, tuple(classes), tuple(CXR_SITE_CLASSES[k]), "image")
+                write_site(tmp / name, profile, train, val, {"training": _match(oracle, train), "validation": _match(oracle, val)})
+                say(f"{name}: {cases} images")
+            labels = _cxr_labels(rng, test_cases)
+            test = []
+            for i in range(test_cases):
+                _save_png(_mk(tmp / "test" / "images") / f"{i:05d}.png", cxr_image(rng, labels[i], size, shifts[i % sites]))
+                test.append({"image": f"images/{i:05d}.png", "label": labels[i].tolist()})
+        elif family == "medmnist":
+            size, cases, test_cases = size or 28, cases or 2400, test_cases or 800
+            task, classes = "multiclass", MEDMNIST_CLASSES
+            labeled = [0] if labeled is None else list(labeled)
+            y = rng.integers(0, len(classes), cases)
+            # Dirichlet label skew: each class's cases spread over sites by Dir(gamma).
+            owner = np.empty(cases, int)
+            for c in range(len(classes)):
+                idx = np.flatnonzero(y == c)
+                props = rng.dirichlet([gamma] * sites)
+                cuts = (np.cumsum(props)[:-1] * len(idx)).astype(int)
+                for k, part in enumerate(np.split(rng.permutation(idx), cuts)):
+                    owner[part] = k
+            for k, name in enumerate(names):
+                idx = np.flatnonzero(owner == k)
+                is_lab = k in labeled
+                items, oracle = [], []
+                for j, i in enumerate(idx):
+                    rel = f"images/{j:05d}.png"
+                    _save_png(_mk(tmp / name / "images") / f"{j:05d}.png", medmnist_image(rng, y[i], size, shifts[k]))
+                    items.append({"image": rel, "label": int(y[i]) if is_lab else -1})
+                    oracle.append({"image": rel, "label": int(y[i])})
+                train, val = _split(items, val_fraction, rng)
+                profile = SiteProfile(name, task, tuple(classes), tuple(classes) if is_lab else (), "image" if is_lab else "none")
+                write_site(tmp / name, profile, train, val, {"training": _match(oracle, train), "validation": _match(oracle, val)})
+                say(f"{name}: {len(idx)} images ({'labeled' if is_lab else 'unlabeled'})")
+            test = []
+            for i in range(test_cases):
+                c = i % len(classes)
+                _save_png(_mk(tmp / "test" / "images") / f"{i:05d}.png", medmnist_image(rng, c, size, shifts[i % sites]))
+                test.append({"image": f"images/{i:05d}.png", "label": c})
+        else:
+            size, cases, test_cases = size or 64, cases or 120, test_cases or 120
+            task, classes = "segmentation", LESION_CLASSES
+            levels = list(supervision or ["pixel", "bbox", "image", "none"][:sites])
+            if len(levels) != sites:
+                raise ValueError(f"supervision lists {len(levels)} levels for {sites} sites")
+            for k, name in enumerate(names):
+                items, oracle = [], []
+                for i in range(cases):
+                    img, mask = lesion_image(rng, size, shifts[k], lesion=rng.random() > 0.2)
+                    rel, seg = f"images/{i:05d}.png", f"masks/{i:05d}.png"
+                    _save_png(_mk(tmp / name / "images") / f"{i:05d}.png", img)
+                    _save_png(_mk(tmp / name / "masks") / f"{i:05d}.png", mask.astype(np.uint8) * 255)
+                    item = {"image": rel, "supervision": levels[k]}
+                    if levels[k] == "pixel":
+                        item["seg"] = seg
+                    elif levels[k] == "bbox":
+                        item["boxes"] = [box_from_mask(mask, rng)] if mask.any() else []
+                    elif levels[k] == "image":
+                        item["classes"] = [0] if mask.any() else []
+                    items.append(item)
+                    oracle.append({"image": rel, "seg": seg})
+                train, val = _split(items, val_fraction, rng)
+                profile = SiteProfile(name, task, tuple(classes), tuple(classes) if levels[k] != "none" else (), levels[k])
+                write_site(tmp / name, profile, train, val, {"training": _match(oracle, train), "validation": _match(oracle, val)})
+                say(f"{name}: {cases} images ({levels[k]})")
+            test = []
+            for i in range(test_cases):
+                img, mask = lesion_image(rng, size, shifts[i % sites], lesion=rng.random() > 0.2)
+                _save_png(_mk(tmp / "test" / "images") / f"{i:05d}.png", img)
+                _save_png(_mk(tmp / "test" / "masks") / f"{i:05d}.png", mask.astype(np.uint8) * 255)
+                test.append({"image": f"images/{i:05d}.png", "seg": f"masks/{i:05d}.png"})
+        write_json_atomic(tmp / "test" / "datalist.json", {"testing": test})
+        write_yaml(tmp / "scenario.yaml", {
+            "name": f"synthetic-{family}",
+            "task": task,
+            "classes": list(classes),
+            "sites": names,
+            "seed": seed,
+            "image_size": [size, size],
+            "channels": 1 if family == "cxr" else 3,
+            "provenance": {"generator": "fedlabels.data.synthetic", "family": family, "seed": seed,
+                           "site_shift": dict(zip(names, shifts))},
+        })
+    return Path(out)
+
+
+def _mk(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _match(oracle, items):
+    by_image = {o["image"]: o for o in oracle}
+    return [by_image[i["image"]] for i in items]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FEDLABELS_CACHE", Path.home() / ".cache" / "fedlabels"))
+
+
+def default_scenario(family: str, seed: int = 0, size: int | None = None, **kwargs) -> Path:
+    """The embedded default scenario, generated once and cached."""
+    tag = "-".join([family, f"seed{seed}"] + ([f"{size}px"] if size else []) + [f"{k}{v}" for k, v in sorted(kwargs.items())])
+    root = cache_dir() / tag
+    if (root / "scenario.yaml").is_file():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{tag}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "scenario.yaml").is_file():
+            generate(family, root, seed=seed, size=size, **kwargs)
+    return root

@@ -1,0 +1,57 @@
+"""Losses that respect what a site labels.
+
+Label convention (profile.py): multi-label targets hold 1, 0, or -1 for
+"not annotated here"; -1 entries never contribute to a loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def pos_weights(labels: torch.Tensor, min_pos: int = 1) -> torch.Tensor:
+    """Per-class N_neg / N_pos over the cases annotated for that class.
+
+    Classes with fewer than ``min_pos`` positives (or not annotated) get 1.
+    """
+    labels = torch.as_tensor(labels)
+    pos = (labels == 1).sum(0).float()
+    neg = (labels == 0).sum(0).float()
+    w = torch.where(pos >= min_pos, neg / pos.clamp(min=1), torch.ones_like(pos))
+    return torch.where(w > 0, w, torch.ones_like(w))
+
+
+def partial_bce(logits: torch.Tensor, target: torch.Tensor, pos_weight: torch.Tensor | None = None,
+                divisor: float | None = None) -> torch.Tensor:
+    """BCE over annotated entries only (target >= 0).
+
+    Averaged over the annotated entries by default; with ``divisor`` the sum is
+    divided by ``batch * divisor`` instead (FedMLP's WPC divides by C).
+    A batch with no annotated entry returns 0 connected to the graph.
+    """
+    target = target.to(logits.dtype)
+    mask = target >= 0
+    loss = F.binary_cross_entropy_with_logits(logits, target.clamp(min=0), pos_weight=pos_weight, reduction="none")
+    loss = loss * mask
+    if divisor is not None:
+        return loss.sum() / (logits.shape[0] * divisor)
+    return loss.sum() / mask.sum().clamp(min=1)
+
+
+def naive_bce(logits: torch.Tensor, target: torch.Tensor, pos_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Missing labels (-1) treated as negatives: the naive FedAvg baseline."""
+    return F.binary_cross_entropy_with_logits(logits, target.clamp(min=0).to(logits.dtype), pos_weight=pos_weight)
+
+
+def soft_dice_loss(logits: torch.Tensor, target: torch.Tensor, smooth: float = 1e-5) -> torch.Tensor:
+    """1 - soft Dice of sigmoid(logits) against a {0,1} target, per case then averaged.
+
+    Case reduction over all non-batch dims; ``smooth`` makes two empty masks score 1.
+    """
+    prob = torch.sigmoid(logits)
+    dims = tuple(range(1, prob.ndim))
+    inter = (prob * target).sum(dims)
+    denom = prob.sum(dims) + target.sum(dims)
+    dice = (2 * inter + smooth) / (denom + smooth)
+    return (1 - dice).mean()
