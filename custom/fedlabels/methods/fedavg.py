@@ -1,0 +1,79 @@
+"""FedAvg and its partial-label baselines (METHODS.md "Baselines").
+
+* ``fedavg``     -- naive: a missing label (-1) counts as a negative;
+* ``fedavg_pl``  -- partial loss: BCE over annotated entries only;
+* ``fedprox``    -- FedAvg-PL + (mu/2)||w - w_global||^2;
+* ``fedbn`` / ``fedbn_plus`` -- FedAvg-PL with BN kept local / frozen.
+
+All share one server rule: every key averaged by n_k (or unweighted).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..losses import naive_bce, partial_bce
+from .base import ClientRule, ServerRule, average_keys
+
+
+class FedAvgClient(ClientRule):
+    """``partial_loss`` False = naive (missing as negatives); ``mu`` > 0 = FedProx."""
+
+    def __init__(self, *args, partial_loss=True, mu=0.0, **kw):
+        super().__init__(*args, **kw)
+        self.partial_loss, self.mu = partial_loss, mu
+        self.anchor = None
+
+    def loss(self, logits, labels):
+        task = self.profile.task
+        if task == "multilabel":
+            fn = partial_bce if self.partial_loss else naive_bce
+            loss = fn(logits, labels, pos_weight=self.pos_weight)
+        elif task == "multiclass":
+            loss = F.cross_entropy(logits, labels.long().view(-1), ignore_index=-1)
+        else:
+            raise ValueError(f"FedAvg client has no loss for task {task!r}")
+        if self.mu > 0:
+            loss = loss + self.proximal_term()
+        return loss
+
+    def proximal_term(self):
+        """(mu/2) * ||w - w_global||^2 over trainable parameters."""
+        sq = sum(((p - a) ** 2).sum() for p, a in zip(self.net.parameters(), self.anchor) if p.requires_grad)
+        return 0.5 * self.mu * sq
+
+    def begin_round(self, round, extras):
+        # The FedProx anchor: the global model as received (FedBN: with local BN).
+        self.anchor = [p.detach().clone() for p in self.net.parameters()] if self.mu > 0 else None
+
+
+class FedAvgServer(ServerRule):
+    """Every key averaged by n_k (``weighted=True``) or unweighted."""
+
+    def __init__(self, weighted=True, **options):
+        super().__init__(**options)
+        self.weighted = weighted
+
+    def aggregate(self, updates, global_weights, round):
+        weights = [u.n if self.weighted else 1.0 for u in updates]
+        return average_keys(updates, global_weights, weights)
+
+
+def _register():
+    from . import Method, register
+
+    common = ("multilabel", "multiclass")
+    register(Method("fedavg", FedAvgClient, FedAvgServer, common, {"partial_loss": False},
+                    doc="naive FedAvg: missing labels as negatives"))
+    register(Method("fedavg_pl", FedAvgClient, FedAvgServer, common, {"partial_loss": True},
+                    doc="FedAvg with the partial BCE loss"))
+    register(Method("fedprox", FedAvgClient, FedAvgServer, common, {"partial_loss": True, "mu": 0.001},
+                    doc="FedProx (mu=0.001 as in FedPSL) with the partial loss"))
+    register(Method("fedbn", FedAvgClient, FedAvgServer, common, {"partial_loss": True, "bn_policy": "fedbn"},
+                    doc="FedBN: batch norm stays at each site"))
+    register(Method("fedbn_plus", FedAvgClient, FedAvgServer, common, {"partial_loss": True, "bn_policy": "fedbn+"},
+                    doc="FedBN+: batch norm frozen at its initial statistics"))
+
+
+_register()
