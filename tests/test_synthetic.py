@@ -1,0 +1,112 @@
+"""The embedded default data: deterministic, the right layout, boxes that hold their masks."""
+
+import hashlib
+import json
+
+import numpy as np
+from PIL import Image
+
+from fedlabels.data import synthetic
+from fedlabels.data.synthetic import CXR_SITE_CLASSES, generate
+from fedlabels.profile import load_scenario
+
+
+def digest(root):
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def test_same_seed_same_bytes_other_seed_differs(tmp_path):
+    a = generate("cxr", tmp_path / "a", seed=3, cases=10, test_cases=6)
+    b = generate("cxr", tmp_path / "b", seed=3, cases=10, test_cases=6)
+    c = generate("cxr", tmp_path / "c", seed=4, cases=10, test_cases=6)
+    assert digest(a) == digest(b)
+    assert digest(a) != digest(c)
+
+
+def test_cxr_partial_label_layout(tmp_path):
+    sc = load_scenario(generate("cxr", tmp_path / "cxr", seed=0, cases=60, test_cases=20))
+    counts = {c: 0 for c in sc.classes}
+    for k, site in enumerate(sc.sites.values()):
+        assert list(site.profile.annotated) == [c for c in sc.classes if c in CXR_SITE_CLASSES[k]]
+        labels = np.array([i["label"] for i in site.training + site.validation])
+        mask = site.profile.labeled_mask
+        assert (labels[:, ~mask] == -1).all() and (labels[:, mask] >= 0).all()
+        for c in site.profile.annotated:
+            counts[c] += 1
+        # the oracle holds the full labels, agreeing where the site labels
+        oracle = site.oracle()
+        full = np.array([i["label"] for i in oracle["training"]])
+        part = np.array([i["label"] for i in site.training])
+        assert (full[:, mask] == part[:, mask]).all() and set(np.unique(full)) <= {0, 1}
+    # FedPSL Table I: infiltration and pneumothorax are labeled by one site only
+    assert counts["infiltration"] == 1 and counts["pneumothorax"] == 1 and counts["atelectasis"] == 3
+    test = np.array([i["label"] for i in sc.test])
+    assert (test >= 0).all() and test.shape == (20, 6)
+    img = np.asarray(Image.open(sc.test[0]["image"]))
+    assert img.shape == (64, 64) and img.dtype == np.uint8
+
+
+def test_cxr_prevalence_is_imbalanced(tmp_path):
+    sc = load_scenario(generate("cxr", tmp_path / "cxr", seed=0, cases=10, test_cases=600))
+    prev = np.array([i["label"] for i in sc.test]).mean(0)
+    assert prev[0] > 2 * prev[5] > 0  # infiltration far more common than pneumothorax
+
+
+def test_medmnist_dirichlet_skew_and_unlabeled_sites(tmp_path):
+    def site_hist(gamma):
+        sc = load_scenario(generate("medmnist", tmp_path / f"m{gamma}", seed=0, cases=800, test_cases=16, gamma=gamma, labeled=[0, 2]))
+        hists = []
+        for k, site in enumerate(sc.sites.values()):
+            oracle = [i["label"] for i in site.oracle()["training"]]
+            hists.append(np.bincount(oracle, minlength=8) / max(len(oracle), 1))
+            labels = [i["label"] for i in site.training]
+            if k in (0, 2):
+                assert site.profile.supervision == "image" and min(labels) >= 0
+            else:
+                assert site.profile.supervision == "none" and set(labels) == {-1} and not site.profile.annotated
+        return np.array(hists)
+
+    # smaller gamma -> class distributions further from uniform
+    skew = lambda h: np.abs(h - 1 / 8).sum(1).mean()  # noqa: E731
+    assert skew(site_hist(0.1)) > skew(site_hist(100.0))
+
+
+def test_lesion_supervision_levels_and_boxes(tmp_path):
+    root = generate("lesion", tmp_path / "l", seed=0, cases=30, test_cases=4)
+    sc = load_scenario(root)
+    assert [s.profile.supervision for s in sc.sites.values()] == ["pixel", "bbox", "image", "none"]
+    site = sc.site("site-2")
+    oracle = {i["image"]: i["seg"] for i in site.oracle()["training"]}
+    n_empty = 0
+    for item in site.training:
+        mask = np.asarray(Image.open(oracle[item["image"]])) > 0
+        if not mask.any():
+            assert item["boxes"] == []
+            n_empty += 1
+            continue
+        (x0, y0, x1, y1, cls), = item["boxes"]
+        ys, xs = np.nonzero(mask)
+        assert x0 <= xs.min() and xs.max() < x1 and y0 <= ys.min() and ys.max() < y1
+        # margins 1-10 px unless clamped at the border
+        for margin, border in ((xs.min() - x0, x0 == 0), (ys.min() - y0, y0 == 0),
+                               (x1 - 1 - xs.max(), x1 == 64), (y1 - 1 - ys.max(), y1 == 64)):
+            assert border or 1 <= margin <= 10
+    assert 0 < n_empty < len(site.training)  # some images are lesion-free
+    img_site = sc.site("site-3")
+    assert {tuple(i["classes"]) for i in img_site.training} == {(), (0,)}
+
+
+def test_default_scenario_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDLABELS_CACHE", str(tmp_path))
+    calls = []
+    real = synthetic.generate
+    monkeypatch.setattr(synthetic, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    a = synthetic.default_scenario("lesion", cases=6, test_cases=2)
+    b = synthetic.default_scenario("lesion", cases=6, test_cases=2)
+    assert a == b and len(calls) == 1 and (a / "scenario.yaml").is_file()
+    assert json.loads((a / "test/datalist.json").read_text())["testing"]
