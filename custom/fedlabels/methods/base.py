@@ -78,7 +78,8 @@ class ClientRule:
 
     The generic loop: receive global weights, train ``epochs`` passes over the
     loader with ``loss()``, send the state dict minus the keys the BN policy
-    keeps local. Methods override ``loss``, ``train_step`` or ``train``.
+    keeps local. Methods override ``loss``, ``train_step`` or ``train``;
+    ``train_step`` may return None for a batch it skips (not counted in n).
     """
 
     def __init__(self, net, profile: SiteProfile, loader, *, lr=1e-3, epochs=1, weight_decay=0.0,
@@ -141,7 +142,10 @@ class ClientRule:
         losses, n = [], 0
         for _ in range(self.epochs):
             for batch in self.loader:
-                losses.append(self.train_step(batch))
+                loss = self.train_step(batch)
+                if loss is None:  # the rule skipped this batch (e.g. too small to split)
+                    continue
+                losses.append(loss)
                 n += len(batch["image"])
         return self.make_update(n, {"train_loss": float(np.mean(losses)) if losses else float("nan")})
 

@@ -31,7 +31,10 @@ class FedAvgClient(ClientRule):
             fn = partial_bce if self.partial_loss else naive_bce
             loss = fn(logits, labels, pos_weight=self.pos_weight)
         elif task == "multiclass":
-            loss = F.cross_entropy(logits, labels.long().view(-1), ignore_index=-1)
+            # Sum over labeled cases / their count: a batch of only unlabeled
+            # cases (-1) gives 0, where the mean reduction would give NaN.
+            target = labels.long().view(-1)
+            loss = F.cross_entropy(logits, target, ignore_index=-1, reduction="sum") / (target >= 0).sum().clamp(min=1)
         else:
             raise ValueError(f"FedAvg client has no loss for task {task!r}")
         if self.mu > 0:
