@@ -1,0 +1,155 @@
+"""The ``fedlabels`` command.
+
+    fedlabels synth {cxr,medmnist,lesion} --out DIR [--seed N]
+    fedlabels validate DIR                         check a scenario, print its table
+    fedlabels prepare DATASET --src DIR --protocol NAME --out DIR
+    fedlabels train --bundle bundles/X --data DIR [--site NAME] [--epochs N] --out DIR
+    fedlabels evaluate --bundle bundles/X --ckpt MODEL --data DIR
+    fedlabels export --bundle bundles/X --ckpt MODEL --out DIR
+    fedlabels methods                              registered federated methods
+    fedlabels jobs --out nvflare_jobs              (re)generate the FLARE job folders
+    fedlabels simulate JOB [--data DIR] -n N       run one job in the FLARE simulator
+    fedlabels baseline {local,centralized,oracle}  non-federated references
+    fedlabels demo --out DIR                       the main job on the embedded data
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .profile import ScenarioError
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def cmd_synth(args):
+    from .data.synthetic import generate
+    from .profile import format_summary, load_scenario
+
+    kwargs = {k: v for k, v in (("size", args.size), ("cases", args.cases), ("test_cases", args.test_cases)) if v}
+    if args.family == "medmnist":
+        kwargs.update(gamma=args.gamma, labeled=[int(i) - 1 for i in args.labeled.split(",")] if args.labeled else None)
+    root = generate(args.family, args.out, seed=args.seed, progress=_say, **kwargs)
+    _say(format_summary(load_scenario(root)))
+    _say(f"wrote {root}")
+
+
+def cmd_validate(args):
+    from .profile import format_summary, load_scenario
+
+    sc = load_scenario(args.data)
+    _say(f"{sc.name}: {sc.task}, {len(sc.classes)} classes, {len(sc.sites)} sites, "
+         f"{len(sc.test or [])} test cases")
+    _say(format_summary(sc))
+
+
+def cmd_train(args):
+    from .export import train_bundle
+
+    ckpt = train_bundle(args.bundle, args.data, args.out, site=args.site, epochs=args.epochs, oracle=args.oracle)
+    _say(f"checkpoint: {ckpt}")
+
+
+def cmd_evaluate(args):
+    from .export import evaluate_bundle
+
+    metrics = evaluate_bundle(args.bundle, args.ckpt, args.data, out=args.out, split=args.split)
+    _say(json.dumps({k: v for k, v in metrics.items() if k != "per_case"}, indent=1))
+
+
+def cmd_export(args):
+    from .export import export_bundle
+
+    out = export_bundle(args.bundle, args.ckpt, args.out)
+    _say(f"exported bundle: {out}")
+
+
+def cmd_methods(args):
+    from . import methods
+
+    for name in methods.names():
+        m = methods.get(name)
+        _say(f"{name:14s} {', '.join(m.tasks):28s} {m.doc}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedlabels", description="Federated learning when every hospital labels differently.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("synth", help="generate an embedded synthetic scenario")
+    s.add_argument("family", choices=["cxr", "medmnist", "lesion"])
+    s.add_argument("--out", required=True)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--size", type=int, help="image size in pixels")
+    s.add_argument("--cases", type=int, help="cases per site (medmnist: in total)")
+    s.add_argument("--test-cases", type=int)
+    s.add_argument("--gamma", type=float, default=0.8, help="medmnist: Dirichlet label skew")
+    s.add_argument("--labeled", help="medmnist: comma-separated site numbers that keep labels (default 1)")
+    s.set_defaults(fn=cmd_synth)
+
+    s = sub.add_parser("validate", help="validate a scenario folder and print its label table")
+    s.add_argument("data")
+    s.set_defaults(fn=cmd_validate)
+
+    try:
+        from .data import prepare
+    except ImportError:  # preparers not installed in this build
+        prepare = None
+    if prepare is not None:
+        prepare.add_parser(sub)
+
+    s = sub.add_parser("train", help="train a bundle locally (one site) or centralized (all sites)")
+    s.add_argument("--bundle", required=True)
+    s.add_argument("--data", required=True, help="scenario folder")
+    s.add_argument("--site", help="train on this site only (default: all sites pooled)")
+    s.add_argument("--epochs", type=int, default=None)
+    s.add_argument("--oracle", action="store_true", help="use the full (oracle) labels")
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_train)
+
+    s = sub.add_parser("evaluate", help="evaluate a checkpoint with the bundle's metrics")
+    s.add_argument("--bundle", required=True)
+    s.add_argument("--ckpt", required=True)
+    s.add_argument("--data", required=True)
+    s.add_argument("--split", default="test", help="'test' or a site name (its validation split)")
+    s.add_argument("--out", help="where to save metrics JSON")
+    s.set_defaults(fn=cmd_evaluate)
+
+    s = sub.add_parser("export", help="turn a checkpoint into a deployable inference bundle")
+    s.add_argument("--bundle", required=True)
+    s.add_argument("--ckpt", required=True)
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser("methods", help="list the registered federated methods")
+    s.set_defaults(fn=cmd_methods)
+
+    try:
+        from .flare import commands as flare_commands
+    except ImportError:
+        flare_commands = None
+    if flare_commands is not None:
+        flare_commands.add_parsers(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except ScenarioError as e:
+        print(f"fedlabels: invalid scenario: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as e:
+        print(f"fedlabels: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""One site's training setup, read from a MONAI bundle.
+
+The bundle supplies the network definition and the transforms (its
+``network_def``, ``train#preprocessing``, ``validate#preprocessing``); the
+scenario supplies the site's cases and label profile; the method supplies the
+training step. Used by the FLARE client script and by the non-federated
+references (local learning, centralized, oracle), so all of them see the same
+data the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from monai.bundle import ConfigParser
+from monai.data import CacheDataset, DataLoader
+
+from . import bundle_data
+from .metrics import multiclass_metrics, multilabel_metrics
+from .profile import Scenario, SiteData, load_scenario
+
+
+def read_bundle(bundle, dataset_dir, **overrides) -> ConfigParser:
+    """The bundle's train config with ``dataset_dir`` and overrides applied."""
+    bundle = Path(bundle).resolve()
+    parser = ConfigParser()
+    parser.read_config(str(bundle / "configs" / "train.json"))
+    parser.update({"bundle_root": str(bundle), "dataset_dir": str(dataset_dir), **overrides})
+    return parser
+
+
+@dataclass
+class SiteSetup:
+    scenario: Scenario
+    site: SiteData
+    net: torch.nn.Module
+    train_loader: DataLoader
+    val_loader: DataLoader | None
+    classes: tuple
+    task: str
+
+
+def _loader(items, transform, batch_size, shuffle, seed):
+    ds = CacheDataset(items, transform, cache_rate=1.0, num_workers=None, progress=False)
+    gen = torch.Generator().manual_seed(seed)
+    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, num_workers=0, generator=gen, drop_last=False)
+
+
+def _items(site: SiteData, split: str, oracle: bool):
+    items = site.oracle()[split] if oracle else getattr(site, split)
+    task = site.profile.task
+    return [bundle_data._bundle_item(i, task, labeled_only=False) for i in items]
+
+
+def setup_site(bundle, dataset_dir, site_name: str, *, batch_size=None, seed=0, device="cpu", oracle=False,
+               network_overrides: dict | None = None) -> SiteSetup:
+    """Validate the site's data, build the bundle's network and the site's loaders."""
+    scenario = load_scenario(dataset_dir, sites=[site_name], with_test=False)
+    site = scenario.site(site_name)
+    parser = read_bundle(bundle, dataset_dir, site=site_name, class_names=list(scenario.classes))
+    task = parser.get_parsed_content("task")
+    if task != scenario.task:
+        raise ValueError(f"{bundle}: bundle task {task!r} does not match scenario task {scenario.task!r} ({dataset_dir})")
+    for key, value in (network_overrides or {}).items():
+        parser[f"network_def#{key}"] = value
+    torch.manual_seed(seed)
+    net = parser.get_parsed_content("network_def", instantiate=True).to(device)
+    bs = batch_size or parser.get_parsed_content("batch_size")
+    train_tf = parser.get_parsed_content("train#preprocessing", instantiate=True)
+    val_tf = parser.get_parsed_content("validate#preprocessing", instantiate=True)
+    train_loader = _loader(_items(site, "training", oracle), train_tf, bs, True, seed)
+    val_items = _items(site, "validation", oracle)
+    val_loader = _loader(val_items, val_tf, bs, False, seed) if val_items else None
+    return SiteSetup(scenario, site, net, train_loader, val_loader, scenario.classes, scenario.task)
+
+
+def test_loader(bundle, dataset_dir, batch_size=64) -> DataLoader:
+    """The scenario's fully labeled test split with the bundle's validation transforms."""
+    scenario = load_scenario(dataset_dir, sites=[], with_test=True)
+    parser = read_bundle(bundle, dataset_dir, class_names=list(scenario.classes))
+    val_tf = parser.get_parsed_content("validate#preprocessing", instantiate=True)
+    items = [bundle_data._bundle_item(i, scenario.task, labeled_only=False) for i in scenario.test or []]
+    if not items:
+        raise ValueError(f"{dataset_dir}: the scenario has no test split (test/datalist.json)")
+    return _loader(items, val_tf, batch_size, False, 0)
+
+
+@torch.no_grad()
+def predict(net, loader, task, device="cpu"):
+    """Probabilities and labels over a loader (sigmoid for multi-label, softmax for multi-class)."""
+    net.eval()
+    probs, labels = [], []
+    for batch in loader:
+        logits = net(batch["image"].to(device))
+        probs.append(torch.softmax(logits, 1) if task == "multiclass" else torch.sigmoid(logits))
+        labels.append(batch["label"])
+    return torch.cat(probs).cpu().numpy(), torch.cat(labels).cpu().numpy()
+
+
+def evaluate(net, loader, task, classes, device="cpu") -> dict:
+    """Label-aware metrics: classes a site does not annotate come back undefined."""
+    if loader is None:
+        return {}
+    probs, labels = predict(net, loader, task, device)
+    if task == "multilabel":
+        return multilabel_metrics(probs, labels, classes)
+    if task == "multiclass":
+        return multiclass_metrics(probs, labels.reshape(-1), classes)
+    raise ValueError(f"no classification metrics for task {task!r}")
+
+
+def flat_metrics(metrics: dict, prefix="val_") -> dict:
+    """Scalar view for FLARE/TensorBoard: macro values and per-class values; undefined left out."""
+    out = {}
+    for key in ("auroc", "ap", "bacc", "accuracy", "precision", "recall"):
+        if metrics.get(key) is not None:
+            out[f"{prefix}{key}"] = float(metrics[key])
+    for cls, vals in metrics.get("per_class", {}).items():
+        for key in ("auroc", "ap", "bacc"):
+            if vals.get(key) is not None:
+                out[f"{prefix}{key}/{cls}"] = float(vals[key])
+    return out
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
