@@ -55,3 +55,19 @@ def soft_dice_loss(logits: torch.Tensor, target: torch.Tensor, smooth: float = 1
     denom = prob.sum(dims) + target.sum(dims)
     dice = (2 * inter + smooth) / (denom + smooth)
     return (1 - dice).mean()
+
+
+class PartialBCELoss(torch.nn.Module):
+    """``partial_bce`` as a module, for MONAI bundle configs and trainers.
+
+    ``loss(logits, target)``: target entries of -1 (class not annotated at the
+    site) are left out; see ``partial_bce`` for the reduction.
+    """
+
+    def __init__(self, pos_weight=None, divisor: float | None = None):
+        super().__init__()
+        self.register_buffer("pos_weight", None if pos_weight is None else torch.as_tensor(pos_weight, dtype=torch.float32))
+        self.divisor = divisor
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return partial_bce(logits, target, pos_weight=self.pos_weight, divisor=self.divisor)

@@ -1,0 +1,194 @@
+"""Scenario folders as MONAI datalists, for the bundles in ``bundles/``.
+
+The bundle configs call these functions, so a bundle trained with
+``python -m monai.bundle run`` reads exactly what the federated clients read
+(``fedlabels.profile``): the same validation, the same error messages.
+
+* ``datalist(dataset_dir, site, split, oracle)`` -- ``[{"image", "label"}]``
+  with absolute paths, for one site, several, or all sites pooled
+  (centralised training); ``split="test"`` is the held-out test set.
+* ``image_files(path)`` -- the inputs of ``inference.json``.
+* ``Ensure2DChannelsd`` -- makes any 2D input (grey, RGB, RGBA, a 2D NIfTI
+  stored as H x W x 1) the channel count a network expects.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from monai.config import KeysCollection
+from monai.transforms import MapTransform
+
+from .profile import IMAGE_SUFFIXES, ScenarioError, load_scenario
+
+TEST_SPLITS = ("test", "testing")
+INFERENCE_SUFFIXES = (".png", ".jpg", ".jpeg", ".nii", ".nii.gz", ".dcm")
+
+
+def _sites(site) -> list | None:
+    """None / "" / "all" -> every site; "a,b" or ["a", "b"] -> those sites."""
+    if site is None or (isinstance(site, str) and site.strip().lower() in ("", "all", "none", "null")):
+        return None
+    if isinstance(site, str):
+        return [s.strip() for s in site.split(",") if s.strip()]
+    return [str(s) for s in site]
+
+
+def _bundle_item(item: dict, task: str, labeled_only: bool) -> dict | None:
+    """A validated scenario item -> the ``{"image", "label"}`` the bundle transforms read."""
+    if task == "multilabel":
+        if labeled_only and all(v < 0 for v in item["label"]):
+            return None
+        return {"image": item["image"], "label": [int(v) for v in item["label"]]}
+    if task == "multiclass":
+        if labeled_only and item["label"] < 0:
+            return None
+        return {"image": item["image"], "label": int(item["label"])}
+    # segmentation: only pixel-level cases carry a mask the bundle can learn from
+    if "seg" not in item:
+        return None if labeled_only else {"image": item["image"]}
+    return {"image": item["image"], "label": item["seg"]}
+
+
+def datalist(dataset_dir, site=None, split: str = "training", oracle: bool = False, classes=None, task=None,
+             labeled_only: bool = True) -> list:
+    """Validated bundle items of one split of a scenario folder, with absolute paths.
+
+    Args:
+        dataset_dir: scenario folder (``scenario.yaml``, one folder per site, ``test/``).
+        site: a site name, a comma-separated list or a list of names; ``None``/``""``
+            pools every site (centralised training).
+        split: ``training`` | ``validation`` | ``test``.
+        oracle: read the sites' ``oracle.json`` (full labels) instead of ``datalist.json``.
+        classes, task: what the bundle was built for; a scenario with another class
+            list or task fails here with one message instead of a shape error later.
+        labeled_only: drop cases the supervised bundle cannot learn from (multi-class
+            label -1, multi-label rows of only -1, segmentation cases without a mask).
+
+    Multi-label labels keep their -1 entries (not annotated at the site); the
+    bundle's loss and metrics skip them.
+    """
+    root = Path(str(dataset_dir)).expanduser()
+    if split in TEST_SPLITS:
+        scenario = load_scenario(root, sites=[], with_test=True)
+    else:
+        scenario = load_scenario(root, sites=_sites(site), with_test=False)
+    where = root / "scenario.yaml"
+    if task is not None and scenario.task != task:
+        raise ScenarioError(where, f"task {scenario.task!r}, but this bundle is built for {task!r}", field="task")
+    if classes is not None and tuple(scenario.classes) != tuple(classes):
+        raise ScenarioError(where, f"classes {list(scenario.classes)} differ from the bundle's {list(classes)}; "
+                            "override the bundle's class_names to match", field="classes")
+    if split in TEST_SPLITS:
+        if scenario.test is None:
+            raise ScenarioError(root / "test" / "datalist.json", "missing file: this scenario has no test set")
+        sources = {"test": scenario.test}
+    elif split in ("training", "validation"):
+        sources = {}
+        for name, sdata in scenario.sites.items():
+            sources[name] = sdata.oracle()[split] if oracle else getattr(sdata, split)
+    else:
+        raise ValueError(f"unknown split {split!r}; expected training, validation or test")
+    items = []
+    for items_of_site in sources.values():
+        for item in items_of_site:
+            out = _bundle_item(item, scenario.task, labeled_only)
+            if out is not None:
+                items.append(out)
+    if not items:
+        what = {"multilabel": "annotated", "multiclass": "labeled", "segmentation": "pixel-labeled (mask)"}[scenario.task]
+        names = ", ".join(sources)
+        raise ScenarioError(root, f"no {what} cases in split {split!r} of {names}"
+                            + ("" if oracle or split in TEST_SPLITS else "; a supervised bundle needs labels "
+                               "(use another site, pool all sites, or oracle=True for the oracle baseline)"))
+    return items
+
+
+def scenario_info(dataset_dir) -> dict:
+    """Task, classes, image size and channels of a scenario (without checking files)."""
+    scenario = load_scenario(dataset_dir, sites=[], with_test=False, check_files=False)
+    meta = scenario.meta
+    size = meta.get("image_size")
+    return {
+        "task": scenario.task,
+        "classes": list(scenario.classes),
+        "sites": list(meta.get("sites", [])),
+        "image_size": int(size[0]) if isinstance(size, list) else size,
+        "channels": meta.get("channels"),
+    }
+
+
+def default_dataset(family: str, **kwargs) -> str:
+    """The embedded synthetic scenario (generated and cached on first use)."""
+    from .data.synthetic import default_scenario
+
+    return str(default_scenario(family, **kwargs))
+
+
+def image_files(inputs) -> list:
+    """Inference inputs: a folder (searched recursively), one file, or a list of files.
+
+    Returns ``[{"image": path}]`` sorted by path; fails with one message when
+    nothing readable is found.
+    """
+    if isinstance(inputs, (str, os.PathLike)):
+        path = Path(inputs).expanduser()
+        if path.is_dir():
+            found = [p for p in glob.glob(str(path / "**" / "*"), recursive=True) if p.lower().endswith(INFERENCE_SUFFIXES)]
+        elif path.is_file():
+            found = [str(path)]
+        else:
+            raise FileNotFoundError(f"{path}: no such file or folder of input images (pass --dataset_dir <folder>)")
+    else:
+        found = [str(Path(p).expanduser()) for p in inputs]
+        missing = [p for p in found if not Path(p).is_file()]
+        if missing:
+            raise FileNotFoundError(f"input images not found: {missing[:5]}")
+    if not found:
+        raise FileNotFoundError(f"{inputs}: no image files ({', '.join(INFERENCE_SUFFIXES)})")
+    return [{"image": str(Path(p).resolve())} for p in sorted(found)]
+
+
+class Ensure2DChannelsd(MapTransform):
+    """Make a channel-first 2D image have ``channels`` channels.
+
+    Trailing singleton spatial dimensions (a 2D NIfTI stored as H x W x 1) are
+    dropped; an alpha channel is dropped; RGB becomes grey by averaging when
+    one channel is wanted; grey is repeated when three are wanted. Anything
+    else fails with a message naming the shape.
+    """
+
+    def __init__(self, keys: KeysCollection, channels: int, allow_missing_keys: bool = False):
+        super().__init__(keys, allow_missing_keys)
+        self.channels = int(channels)
+
+    def __call__(self, data):
+        d = dict(data)
+        for key in self.key_iterator(d):
+            img = d[key]
+            while img.ndim > 3 and img.shape[-1] == 1:
+                img = img[..., 0]
+            if img.ndim != 3:
+                raise ValueError(f"{key}: expected a 2D image (channel-first, 3 dims), got shape {tuple(img.shape)}")
+            c = img.shape[0]
+            if c == 4:
+                img, c = img[:3], 3
+            if c == 2:  # grey + alpha
+                img, c = img[:1], 1
+            if c != self.channels:
+                if c == 3 and self.channels == 1:
+                    img = img.mean(0, keepdim=True) if isinstance(img, torch.Tensor) else np.mean(img, 0, keepdims=True)
+                elif c == 1:
+                    reps = (self.channels, 1, 1)
+                    img = img.repeat(*reps) if isinstance(img, torch.Tensor) else np.tile(img, reps)
+                else:
+                    raise ValueError(f"{key}: cannot turn {c} channels into the {self.channels} the network expects")
+            d[key] = img
+        return d
+
+
+__all__ = ["datalist", "scenario_info", "default_dataset", "image_files", "Ensure2DChannelsd", "IMAGE_SUFFIXES"]
