@@ -1,0 +1,419 @@
+"""Bundles in, checkpoints and deployable bundles out.
+
+Three entry points the CLI (and the FLARE side) call, each a thin layer over
+MONAI's own bundle machinery -- ``monai.bundle.ConfigWorkflow`` runs the
+bundle's configs, ``monai.bundle.ckpt_export`` writes the TorchScript model:
+
+* ``train_bundle``    -- ``configs/train.json`` on a scenario (one site, a few,
+  or all pooled = centralised; ``oracle=True`` = full labels);
+* ``evaluate_bundle`` -- ``configs/train.json`` + ``configs/evaluate.json`` on
+  the test split or a site's validation split -> metrics dict (+ JSON);
+* ``export_bundle``   -- a checkpoint (a training checkpoint ``{"model": sd}``
+  or a plain state dict, e.g. FLARE's global model, tensors or NumPy arrays)
+  -> a self-contained bundle folder with ``models/model.pt`` and
+  ``models/model.ts`` that ``python -m monai.bundle run --config_file
+  configs/inference.json`` runs on new images.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("fedlabels.export")
+
+BUNDLE_FILES = ("configs", "docs", "LICENSE")
+
+
+def bundles_dir() -> Path:
+    """The repository's ``bundles/`` folder (``FEDLABELS_BUNDLES`` overrides)."""
+    env = os.environ.get("FEDLABELS_BUNDLES")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "bundles"
+
+
+def bundle_path(bundle) -> Path:
+    """A bundle folder, or the name of one under ``bundles/``."""
+    path = Path(str(bundle)).expanduser()
+    if not (path / "configs" / "metadata.json").is_file():
+        named = bundles_dir() / str(bundle)
+        if (named / "configs" / "metadata.json").is_file():
+            path = named
+        else:
+            have = sorted(p.name for p in bundles_dir().glob("*") if (p / "configs" / "metadata.json").is_file())
+            raise FileNotFoundError(f"{bundle}: not a bundle folder (no configs/metadata.json); bundles: {have}")
+    return path.resolve()
+
+
+def _config(bundle: Path, *names: str) -> list:
+    files = [str(bundle / "configs" / n) for n in names]
+    for f in files:
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"{f}: missing bundle config")
+    return files
+
+
+def _workflow(bundle: Path, configs: list, workflow_type, **overrides):
+    from monai.bundle import ConfigWorkflow
+
+    return ConfigWorkflow(
+        config_file=configs,
+        meta_file=str(bundle / "configs" / "metadata.json"),
+        logging_file=str(bundle / "configs" / "logging.conf"),
+        workflow_type=workflow_type,
+        **overrides,
+    )
+
+
+def _clean(overrides: dict) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items() if v is not None}
+
+
+# ------------------------------------------------------------------ train
+
+
+def train_bundle(bundle, data, out, site=None, epochs: int | None = None, oracle: bool = False, **overrides) -> Path:
+    """Train ``bundle`` on scenario ``data``; checkpoints and TensorBoard logs go under ``out``.
+
+    ``site=None`` pools every site (centralised); a name (or ``"a,b"``)
+    trains on those sites only. ``overrides`` are bundle config ids, e.g.
+    ``batch_size=8, image_size=32, lr=1e-4, num_workers=1``.
+
+    Returns the best checkpoint by the validation key metric
+    (``out/models/model.pt``), or the final one (``model_final.pt``) when the
+    key metric was never defined. ``out/train_summary.json`` records the run.
+    """
+    bundle = bundle_path(bundle)
+    out = Path(out).resolve()
+    ckpt_dir = out / "models"
+    args = _clean({
+        "bundle_root": str(bundle),
+        "dataset_dir": str(Path(data).resolve()),
+        "site": site or "",
+        "oracle": bool(oracle),
+        "epochs": epochs,
+        "output_dir": str(out),
+        "ckpt_dir": str(ckpt_dir),
+        **overrides,
+    })
+    wf = _workflow(bundle, _config(bundle, "train.json"), "train", **args)
+    wf.initialize()
+    missing = wf.check_properties()
+    if missing:
+        raise ValueError(f"{bundle}/configs/train.json lacks MONAI bundle properties {missing}")
+    t0 = time.perf_counter()
+    logger.info(f"training {bundle.name} on {data} (site: {site or 'all, pooled'}, oracle: {oracle}) -> {out}")
+    wf.run()
+    trainer = wf.trainer
+    evaluator = wf.parser.get_parsed_content("validate#evaluator")
+    wf.finalize()
+    best, final = ckpt_dir / "model.pt", ckpt_dir / "model_final.pt"
+    ckpt = best if best.is_file() else final
+    summary = {
+        "bundle": bundle.name,
+        "dataset_dir": args["dataset_dir"],
+        "site": site or None,
+        "oracle": bool(oracle),
+        "epochs": int(trainer.state.max_epochs),
+        "iterations": int(trainer.state.iteration),
+        "seconds": round(time.perf_counter() - t0, 2),
+        "key_metric": evaluator.state.key_metric_name,
+        "best_metric": _num(evaluator.state.best_metric),
+        "best_metric_epoch": int(evaluator.state.best_metric_epoch),
+        "last_metrics": {k: _num(v) for k, v in evaluator.state.metrics.items() if not isinstance(v, dict)},
+        "checkpoint": str(ckpt),
+        "overrides": {k: v for k, v in overrides.items() if isinstance(v, (str, int, float, bool, list))},
+    }
+    _write_json(out / "train_summary.json", summary)
+    logger.info(f"trained {bundle.name}: best {summary['key_metric']} {summary['best_metric']} at epoch "
+                f"{summary['best_metric_epoch']}; checkpoint {ckpt}")
+    return ckpt
+
+
+def _num(v):
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if np.isnan(v) else v
+
+
+def _write_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------- evaluate
+
+
+def evaluate_bundle(bundle, ckpt, data, out=None, split: str = "test", site=None, oracle: bool = False,
+                    **overrides) -> dict:
+    """Evaluate checkpoint ``ckpt`` with the bundle's metrics; returns the metrics dict.
+
+    ``split``: ``"test"`` (the scenario's held-out, fully labeled test set),
+    a site name (that site's validation split, scored only on the classes it
+    annotates), or ``"validation"`` (the validation splits of ``site``, or of
+    every site pooled). The result is also written to ``out/metrics.json``
+    (``out`` defaults to a temporary folder that is removed).
+    """
+    bundle = bundle_path(bundle)
+    ckpt = _as_state_dict_file(ckpt)
+    if split in ("test", "testing"):
+        eval_split = "test"
+    elif split in ("validation", "training"):
+        eval_split = split
+    else:  # a site name: that site's validation split
+        eval_split, site = "validation", split
+    tmp = None
+    if out is None:
+        tmp = tempfile.mkdtemp(prefix="fedlabels-eval-")
+        out = tmp
+    out = Path(out).resolve()
+    args = _clean({
+        "bundle_root": str(bundle),
+        "dataset_dir": str(Path(data).resolve()),
+        "site": site or "",
+        "oracle": bool(oracle),
+        "eval_split": eval_split,
+        "ckpt_path": str(ckpt),
+        "output_dir": str(out),
+        **overrides,
+    })
+    try:
+        wf = _workflow(bundle, _config(bundle, "train.json", "evaluate.json"), None, **args)
+        wf.initialize()
+        logger.info(f"evaluating {ckpt} with {bundle.name} on {data} ({eval_split}{', site ' + site if site else ''})")
+        wf.run()
+        wf.finalize()
+        result = json.loads((out / "metrics.json").read_text())
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in result["metrics"].items() if isinstance(v, float))
+    logger.info(f"{bundle.name} on {eval_split}{' of ' + site if site else ''}: {shown}")
+    return result
+
+
+# ------------------------------------------------------------------ export
+
+
+def torch_load(path) -> object:
+    """``torch.load(weights_only=True)`` that also accepts NumPy arrays (FLARE saves those).
+
+    Only NumPy's array/dtype reconstruction globals are allow-listed; any
+    other pickled object still fails.
+    """
+    import importlib
+
+    path = str(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as first:  # noqa: BLE001
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception:  # noqa: BLE001
+            raise ValueError(f"{path}: not a PyTorch checkpoint ({first})") from None
+        allowed = []
+        for name in names:
+            module, _, attr = name.rpartition(".")
+            if not (module == "numpy" or module.startswith("numpy.")):
+                raise ValueError(f"{path}: holds a pickled {name}; only tensors and NumPy arrays are accepted") from None
+            allowed.append(getattr(importlib.import_module(module), attr))
+        allowed += [np.ndarray, np.dtype] + [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_state_dict(ckpt) -> dict:
+    """A network state dict from a checkpoint file or object.
+
+    Accepts MONAI/ignite training checkpoints (``{"model": state_dict, ...}``),
+    plain state dicts (FLARE's global model), with tensors or NumPy arrays.
+    """
+    obj = ckpt
+    if isinstance(ckpt, (str, os.PathLike)):
+        path = Path(ckpt)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: checkpoint not found")
+        obj = torch_load(path)
+    if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
+        obj = obj["model"]
+    if isinstance(obj, torch.nn.Module):
+        obj = obj.state_dict()
+    if not isinstance(obj, dict) or not obj:
+        raise ValueError(f"{ckpt}: expected a state dict (name -> tensor), got {type(obj).__name__}")
+    state = {}
+    for k, v in obj.items():
+        if isinstance(v, np.ndarray):
+            v = torch.from_numpy(np.ascontiguousarray(v))
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"{ckpt}: entry {k!r} is a {type(v).__name__}, not a tensor or array")
+        state[str(k)] = v.detach().cpu()
+    return state
+
+
+def _as_state_dict_file(ckpt) -> Path:
+    """Checkpoints the bundle's CheckpointLoader can read: keep files, save objects."""
+    if isinstance(ckpt, (str, os.PathLike)):
+        path = Path(ckpt).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: checkpoint not found")
+        obj = torch_load(path)
+        if isinstance(obj, dict) and any(isinstance(v, np.ndarray) for v in obj.values()):
+            ckpt = obj  # NumPy arrays (FLARE): convert below
+        else:
+            return path
+    fd, tmp = tempfile.mkstemp(suffix=".pt", prefix="fedlabels-ckpt-")
+    os.close(fd)
+    torch.save(load_state_dict(ckpt), tmp)
+    return Path(tmp)
+
+
+def _inference_parser(bundle: Path, **overrides):
+    from monai.bundle import ConfigParser
+
+    parser = ConfigParser()
+    parser.read_config(str(bundle / "configs" / "inference.json"))
+    parser.read_meta(str(bundle / "configs" / "metadata.json"))
+    parser.update({"bundle_root": str(bundle), **overrides})
+    return parser
+
+
+def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = None, metrics: dict | None = None,
+                  provenance: dict | None = None, check: bool = True) -> Path:
+    """Write a deployable copy of ``bundle`` at ``out`` with the weights of ``ckpt``.
+
+    * ``models/model.pt`` -- the plain state dict (MONAI bundle spec);
+    * ``models/model.ts`` -- TorchScript by ``monai.bundle.ckpt_export`` from
+      ``configs/inference.json`` (metadata and configs embedded);
+    * ``configs/metadata.json`` -- class names (``channel_def``, ``class_names``),
+      input size, optional ``eval_metrics`` and ``provenance``.
+
+    ``class_names`` / ``image_size`` override the bundle's defaults (a scenario
+    with other classes or a model trained at another size); the inference
+    config is updated to match. With ``check`` the exported TorchScript is
+    compared with the eager network on a random input and must agree.
+    Returns ``out``.
+    """
+    from monai.bundle import ckpt_export
+
+    bundle = bundle_path(bundle)
+    out = Path(out).resolve()
+    if out == bundle:
+        raise ValueError(f"{out}: export into a new folder, not over the source bundle")
+    state = load_state_dict(ckpt)
+
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent if out.parent.exists() else None))
+    try:
+        for name in BUNDLE_FILES:
+            src = bundle / name
+            if src.is_dir():
+                shutil.copytree(src, staging / name)
+            elif src.is_file():
+                shutil.copy2(src, staging / name)
+        (staging / "models").mkdir()
+        infer_path = staging / "configs" / "inference.json"
+        meta_path = staging / "configs" / "metadata.json"
+        infer = json.loads(infer_path.read_text())
+        meta = json.loads(meta_path.read_text())
+        if class_names is not None:
+            infer["class_names"] = [str(c) for c in class_names]
+        if image_size is not None:
+            infer["image_size"] = int(image_size)
+        names = infer["class_names"]
+        _update_metadata(meta, names, infer["image_size"], infer["in_channels"], metrics, provenance, bundle, ckpt)
+        infer_path.write_text(json.dumps(infer, indent=4) + "\n")
+        meta_path.write_text(json.dumps(meta, indent=4) + "\n")
+
+        # the weights must fit the inference network exactly
+        parser = _inference_parser(staging)
+        net = parser.get_parsed_content("network_def")
+        result = net.load_state_dict(state, strict=False)
+        problems = []
+        if result.missing_keys:
+            problems.append(f"missing {len(result.missing_keys)} keys (e.g. {result.missing_keys[:4]})")
+        if result.unexpected_keys:
+            problems.append(f"unexpected {len(result.unexpected_keys)} keys (e.g. {result.unexpected_keys[:4]})")
+        if problems:
+            raise ValueError(f"{ckpt}: weights do not fit {bundle.name}'s network ({type(net).__name__}): "
+                             + "; ".join(problems))
+        pt = staging / "models" / "model.pt"
+        torch.save(net.state_dict(), pt)
+
+        ts = staging / "models" / "model.ts"
+        ckpt_export(
+            net_id="network_def",
+            filepath=str(ts),
+            ckpt_file=str(pt),
+            meta_file=str(meta_path),
+            config_file=str(infer_path),
+            bundle_root=str(staging),
+        )
+        if check:
+            check_torchscript(staging)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            shutil.rmtree(old, ignore_errors=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    logger.info(f"exported {bundle.name} -> {out} (models/model.pt, models/model.ts; classes {names})")
+    return out
+
+
+def _update_metadata(meta, names, image_size, in_channels, metrics, provenance, bundle, ckpt) -> None:
+    fmt = meta["network_data_format"]
+    fmt["inputs"]["image"]["spatial_shape"] = [int(image_size), int(image_size)]
+    fmt["inputs"]["image"]["num_channels"] = int(in_channels)
+    pred = fmt["outputs"]["pred"]
+    if pred.get("format") == "classes":
+        pred["num_channels"] = len(names)
+        pred["channel_def"] = {str(i): n for i, n in enumerate(names)}
+    else:
+        pred["spatial_shape"] = [int(image_size), int(image_size)]
+    meta["class_names"] = list(names)
+    if metrics:
+        meta["eval_metrics"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    meta["provenance"] = {
+        "source_bundle": bundle.name,
+        "source_bundle_version": meta.get("version"),
+        "checkpoint": str(ckpt) if isinstance(ckpt, (str, os.PathLike)) else "<in-memory state dict>",
+        "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **(provenance or {}),
+    }
+
+
+def check_torchscript(bundle, atol: float = 1e-4, rtol: float = 1e-4) -> float:
+    """Largest |TorchScript - eager| of an exported bundle on a random input; raises above tolerance."""
+    bundle = Path(bundle)
+    parser = _inference_parser(bundle)
+    net = parser.get_parsed_content("network_def")
+    net.load_state_dict(torch.load(bundle / "models" / "model.pt", map_location="cpu", weights_only=True))
+    net.eval()
+    ts = torch.jit.load(str(bundle / "models" / "model.ts"), map_location="cpu")
+    ts.eval()
+    fmt = parser.get("_meta_#network_data_format#inputs#image")
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(2, int(fmt["num_channels"]), *[int(s) for s in fmt["spatial_shape"]], generator=g)
+    with torch.no_grad():
+        a, b = net(x), ts(x)
+    diff = float((a - b).abs().max())
+    if not torch.allclose(a, b, atol=atol, rtol=rtol):
+        raise RuntimeError(f"{bundle}/models/model.ts disagrees with the eager network (max |diff| {diff:.3g})")
+    return diff
+
+
+__all__ = ["train_bundle", "evaluate_bundle", "export_bundle", "load_state_dict", "torch_load", "check_torchscript", "bundle_path",
+           "bundles_dir"]
