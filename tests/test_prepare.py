@@ -460,8 +460,10 @@ def make_breast(root: Path, seed=5):
         for i in range(1, n + 1):
             gray(busi / cat / f"{cat} ({i}).png", (30, 26), rng)
             blob_mask(busi / cat / f"{cat} ({i})_mask.png", (30, 26), rng, empty=cat == "normal")
-            if cat == "benign" and i == 1:
-                blob_mask(busi / cat / f"{cat} ({i})_mask_1.png", (30, 26), rng)
+            if cat == "benign" and i == 1:  # a second lesion, bottom-right, in its own mask file
+                m = np.zeros((26, 30), np.uint8)
+                m[20:25, 24:29] = 255
+                Image.fromarray(m).save(busi / cat / f"{cat} ({i})_mask_1.png")
     for i in range(1, 9):
         gray(root / "BUSIS" / "Original" / f"case{i}.png", (36, 28), rng)
         blob_mask(root / "BUSIS" / "GT" / f"case{i}_GT.png", (36, 28), rng)
@@ -484,14 +486,15 @@ def test_fedmix_breast_u_b_l(tmp_path):
     # half of BUS's healthy images moved to BUSIS (FedMix's setup)
     assert sum("normal" in s for s in stems(items(sc.site("site-2"))) | stems(sc.test)) >= 1
     assert check_boxes(sc.site("site-2"), 40) >= 1
-    assert any(it["boxes"] == [] for it in sc.site("site-2").training) or True
+    # healthy images: no box, no lesion
+    normal = [it for it in sc.site("site-2").training if "normal" in it["image"]]
+    assert all(it["boxes"] == [] for it in normal)
     assert {i["site"] for i in sc.test} == {"site-1", "site-2", "site-3"}
     m = np.asarray(Image.open(sc.test[0]["seg"]))
     assert m.shape == (40, 40) and set(np.unique(m)) <= {0, 255}
-    # BUSI's two masks of one image are united
-    bus1 = Path(out) / "site-1" / "masks" / "bus_benign_1.png"
-    if bus1.exists():
-        assert (np.asarray(Image.open(bus1)) > 0).sum() > 0
+    # BUSI's two masks of one image are united (the second lesion sits bottom-right)
+    (bus1,) = list(Path(out).glob("*/masks/bus_benign_1.png"))
+    assert (np.asarray(Image.open(bus1))[31:, 33:] == 255).any()
 
 
 def make_ham(root: Path, seed=6, with_dataset=True):

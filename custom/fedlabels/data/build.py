@@ -106,7 +106,7 @@ def _convert(job):
             m = resize_mask(m, size)
             if m.max() > num_classes:
                 raise PrepareError(f"{mask}: mask value {int(m.max())} but the scenario has {num_classes} class(es)")
-            Image_save(m * 255 if mask_mode == "binary" else m, mask_path)
+            _save_mask(m * 255 if mask_mode == "binary" else m, mask_path)
             present = [int(v) - 1 for v in np.unique(m) if v > 0]
             rng = np.random.default_rng([seed, idx])
             boxes = [box_from_mask(m == c + 1, rng, c) for c in present]
@@ -119,7 +119,7 @@ def _convert(job):
         return idx, f"{where}: {type(e).__name__}: {e}", None, None
 
 
-def Image_save(arr, path):
+def _save_mask(arr, path):
     from PIL import Image
 
     Image.fromarray(np.asarray(arr, dtype=np.uint8)).save(path, format="PNG")
@@ -131,7 +131,9 @@ def _run_jobs(jobs, workers, say, skip_bad):
     progress = Progress(len(jobs), "images written", say)
     pool = None
     try:
-        if workers > 1 and len(jobs) > 64:
+        # Small in-memory images (MedMNIST) convert faster than they pickle: stay serial.
+        heavy = any(not isinstance(j[1], np.ndarray) or j[1].size > 128 * 128 * 3 for j in jobs[:32])
+        if workers > 1 and len(jobs) > 64 and heavy:
             pool = mp.get_context("fork").Pool(workers)
             it = pool.imap(_convert, jobs, chunksize=16)
         else:

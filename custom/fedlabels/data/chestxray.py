@@ -76,12 +76,10 @@ def read_nih(src, allow_missing: bool = False, say=print) -> Source:
             raise missing_error(csv_path, "listed images have no image file under " + str(root), missing, len(rows))
         warn(f"{csv_path}: {len(missing)} listed images are not under {root}; left out (--allow-missing)")
         cases = [c for c in cases if c.image is not None]
-    if any(c.meta["batch"] is None for c in cases):
-        if len(rows) == sum(NIH_BATCH_SIZES):
-            # All images in one folder: batch membership from the official order.
-            bounds = [sum(NIH_BATCH_SIZES[:k + 1]) for k in range(len(NIH_BATCH_SIZES))]
-            for c in cases:
-                c.meta["batch"] = next(k + 1 for k, b in enumerate(bounds) if c.meta["rank"] < b)
+    if any(c.meta["batch"] is None for c in cases) and len(rows) == sum(NIH_BATCH_SIZES):
+        # All images in one folder: batch membership from the official order.
+        for c in cases:
+            c.meta["batch"] = batch_of_rank(c.meta["rank"])
     official = {}
     for split, names in (("train", ["train_val_list.txt"]), ("test", ["test_list.txt"])):
         path = find_optional(root, names)
@@ -99,6 +97,16 @@ def read_nih(src, allow_missing: bool = False, say=print) -> Source:
         official[split] = len(ids)
     return Source("nih", "multilabel", list(NIH_CLASSES), cases, 1, root, files,
                   meta={"official_lists": official, "missing_images": len(missing)})
+
+
+def batch_of_rank(rank: int) -> int:
+    """Official batch (1..12) of the image at this 0-based position in image-index order."""
+    total = 0
+    for k, size in enumerate(NIH_BATCH_SIZES):
+        total += size
+        if rank < total:
+            return k + 1
+    raise ValueError(f"rank {rank} beyond the {total} NIH images")
 
 
 def _nih_batch(path):

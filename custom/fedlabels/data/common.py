@@ -75,8 +75,34 @@ class Source:
 
     def provenance(self) -> dict:
         out = {"dataset": self.name, "path": str(self.root), "images": len(self.cases), "files": self.files}
+        listing = self.listing_digest()
+        if listing:
+            out["image_listing_sha256"] = listing
         out.update(self.meta)
         return json.loads(json.dumps(out, default=str))  # plain lists/dicts for YAML
+
+
+    def listing_digest(self) -> str | None:
+        """SHA-256 over the sorted (relative path, size) of the image files: detects a
+        changed or incomplete download without hashing every image."""
+        paths = set()
+        for c in self.cases:
+            for spec in (c.image, *(c.mask if isinstance(c.mask, list) else [c.mask])):
+                if isinstance(spec, VolumeSlice):
+                    spec = spec.path
+                if isinstance(spec, (str, Path)):
+                    paths.add(Path(spec))
+        if not paths:
+            return None
+        h = hashlib.sha256()
+        root = Path(self.root).resolve()
+        for p in sorted(paths):
+            try:
+                rel = str(p.resolve().relative_to(root))
+            except ValueError:
+                rel = str(p)
+            h.update(f"{rel}\t{p.stat().st_size}\n".encode())
+        return h.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,166 @@
+"""The preparers on the real data in ../shared/data (skipped when it is absent).
+
+BloodMNIST / PneumoniaMNIST IsoFed splits, BloodMNIST as a 4-site partial-label
+scenario, and PH2 as a FedMix scenario with pixel / box / image-level sites.
+Subsampled with --limit so the file runs in seconds; the preparers themselves
+handle the full sets.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from fedlabels.data import medmnist, partition, prepare
+from fedlabels.profile import load_scenario
+
+DATA = Path(os.environ.get("FEDLABELS_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+def need(*parts):
+    path = DATA.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"real data not available: {path}")
+    return path
+
+
+def run(*argv):
+    args = prepare.build_standalone_parser().parse_args([str(a) for a in argv] + ["--quiet"])
+    return prepare.run(args)
+
+
+def items(site):
+    return site.training + site.validation
+
+
+def site_skew(sc):
+    """Mean total-variation distance between each site's class mix and the pooled mix."""
+    hists = []
+    for site in sc.sites.values():
+        o = site.oracle()
+        y = [i["label"] for i in o["training"] + o["validation"]]
+        hists.append(np.bincount(y, minlength=len(sc.classes)))
+    hists = np.array(hists, float)
+    pooled = hists.sum(0) / hists.sum()
+    return float(np.mean(0.5 * np.abs(hists / hists.sum(1, keepdims=True) - pooled).sum(1)))
+
+
+@pytest.mark.parametrize("name", ["bloodmnist", "pneumoniamnist"])
+def test_isofed_splits_on_real_medmnist(tmp_path, name):
+    src = need("medmnist", f"{name}.npz")
+    limit, test_cases = 2000, 300
+    skews = {}
+    for gamma in (0.5, 100.0):
+        out = run(name, "--src", src.parent, "--protocol", "isofed", "--gamma", gamma, "--labeled", 1,
+                  "--limit", limit, "--test-cases", test_cases, "--out", tmp_path / f"g{gamma}")
+        sc = load_scenario(out)
+        # counts add up: every subsampled training image at exactly one site, test as asked
+        assert sum(len(items(s)) for s in sc.sites.values()) == limit and len(sc.test) == test_cases
+        names = [Path(i["image"]).name for s in sc.sites.values() for i in items(s)]
+        assert len(set(names)) == limit
+        # labeled / unlabeled flags
+        for k, site in enumerate(sc.sites.values()):
+            labels = [i["label"] for i in items(site)]
+            if k == 0:
+                assert site.profile.supervision == "image" and site.profile.annotated == sc.classes
+                assert min(labels) >= 0
+            else:
+                assert site.profile.supervision == "none" and site.profile.annotated == ()
+                assert set(labels) == {-1}
+            oracle = site.oracle()
+            assert [i["image"] for i in oracle["training"]] == [i["image"] for i in site.training]
+            assert min(i["label"] for i in oracle["training"]) >= 0
+        skews[gamma] = site_skew(sc)
+        img = Image.open(sc.test[0]["image"])
+        meta = yaml.safe_load((out / "scenario.yaml").read_text())
+        assert img.size == (28, 28) and meta["image_size"] == [28, 28]
+        assert img.mode == ("RGB" if name == "bloodmnist" else "L") and meta["channels"] == len(img.getbands())
+        files = meta["provenance"]["sources"][0]["files"][f"{name}.npz"]
+        assert files["md5"] == medmnist.md5_of(src) and files["official_md5"] == medmnist.INFO[name][0]
+    assert skews[0.5] > skews[100.0] + 0.05
+
+
+@pytest.mark.parametrize("name", ["bloodmnist", "pneumoniamnist"])
+def test_smaller_gamma_skews_real_labels_more(name):
+    """The paper's two settings, averaged over seeds: gamma 0.5 is more non-IID than 0.8."""
+    src = need("medmnist", f"{name}.npz")
+    with np.load(src) as d:
+        y = d["train_labels"].reshape(-1)
+    c = int(y.max()) + 1
+    pooled = np.bincount(y, minlength=c) / len(y)
+
+    def skew(gamma, seed):
+        parts = partition.dirichlet_split(y, 4, gamma, np.random.default_rng(seed))
+        return np.mean([0.5 * np.abs(np.bincount(y[p], minlength=c) / len(p) - pooled).sum() for p in parts])
+
+    assert np.mean([skew(0.5, s) for s in range(30)]) > np.mean([skew(0.8, s) for s in range(30)])
+
+
+def test_partial_bloodmnist_four_sites(tmp_path):
+    src = need("medmnist", "bloodmnist.npz")
+    out = run("bloodmnist", "--src", src.parent, "--protocol", "partial", "--sites", 4, "--missing", 4,
+              "--limit", 1200, "--test-cases", 200, "--out", tmp_path / "p")
+    sc = load_scenario(out)
+    assert sc.task == "multilabel" and len(sc.classes) == 8 and len(sc.sites) == 4
+    covered = set()
+    sizes = []
+    for site in sc.sites.values():
+        mask = site.profile.labeled_mask
+        assert mask.sum() == 4
+        covered |= set(site.profile.annotated)
+        labels = np.array([i["label"] for i in items(site)])
+        assert (labels[:, ~mask] == -1).all() and set(np.unique(labels[:, mask])) <= {0, 1}
+        o = site.oracle()
+        full = np.array([i["label"] for i in o["training"] + o["validation"]])
+        assert (full.sum(1) == 1).all() and (full[:, mask] == labels[:, mask]).all()
+        sizes.append(len(labels))
+    assert covered == set(sc.classes)
+    assert sum(sizes) == 1200 and max(sizes) - min(sizes) <= 1
+    test = np.array([i["label"] for i in sc.test])
+    assert test.shape == (200, 8) and (test.sum(1) == 1).all()
+
+
+def test_fedmix_ph2_pixel_box_image_sites(tmp_path):
+    src = need("ph2")
+    out = run("ph2", "--src", src, "--protocol", "fedmix", "--sites", 3, "--supervision", "L,B,I",
+              "--out", tmp_path / "ph2", "--workers", 2)
+    sc = load_scenario(out)
+    assert [s.profile.supervision for s in sc.sites.values()] == ["pixel", "bbox", "image"]
+    assert sum(len(items(s)) for s in sc.sites.values()) + len(sc.test) == 200
+    names = [Path(i["image"]).name for s in sc.sites.values() for i in items(s)] + [Path(i["image"]).name for i in sc.test]
+    assert len(set(names)) == 200
+    size = 256
+    # pixel site: masks in {0, 255} at the written size
+    for it in sc.site("site-1").training[:10]:
+        m = np.asarray(Image.open(it["seg"]))
+        assert m.shape == (size, size) and set(np.unique(m)) <= {0, 255}
+    # box site: every box holds its whole mask, margins 1-10 px (unless clamped at the border)
+    site = sc.site("site-2")
+    oracle = {i["image"]: i["seg"] for i in site.oracle()["training"] + site.oracle()["validation"]}
+    n_boxes = 0
+    for it in items(site):
+        mask = np.asarray(Image.open(oracle[it["image"]])) > 0
+        assert Image.open(it["image"]).size == (size, size)
+        if not mask.any():
+            assert it["boxes"] == []
+            continue
+        (x0, y0, x1, y1, cls), = it["boxes"]
+        ys, xs = np.nonzero(mask)
+        assert cls == 0 and x0 <= xs.min() and xs.max() < x1 and y0 <= ys.min() and ys.max() < y1
+        for margin, border in ((xs.min() - x0, x0 == 0), (ys.min() - y0, y0 == 0),
+                               (x1 - 1 - xs.max(), x1 == size), (y1 - 1 - ys.max(), y1 == size)):
+            assert border or 1 <= margin <= 10
+        n_boxes += 1
+    assert n_boxes > 40
+    # image-level site: lesion present exactly where its (hidden) mask is non-empty
+    site = sc.site("site-3")
+    oracle = {i["image"]: i["seg"] for i in site.oracle()["training"]}
+    for it in site.training:
+        assert it["classes"] == ([0] if (np.asarray(Image.open(oracle[it["image"]])) > 0).any() else [])
+        assert "seg" not in it and "boxes" not in it
+    assert {i["site"] for i in sc.test} == {"site-1", "site-2", "site-3"}
