@@ -200,24 +200,32 @@ def open_text(path: Path):
     return open(path, encoding="utf-8-sig", newline="")
 
 
-def read_csv(path, required: Iterable[str], delimiter=",") -> list:
-    """Rows of a CSV as dicts; fails naming the file if a required column is missing."""
+def iter_csv(path, required: Iterable[str], delimiter=","):
+    """Stream a CSV's rows as dicts (for files of millions of rows, e.g. RSNA's).
+
+    Fails naming the file if it is missing, unreadable, or lacks a required column.
+    """
     path = Path(path)
     if not path.is_file():
         raise PrepareError(f"{path}: missing file")
     required = list(required)
     try:
         with open_text(path) as f:
-            reader = csv.DictReader(f, delimiter=delimiter)
-            header = [h.strip() for h in (reader.fieldnames or [])]
+            reader = csv.reader(f, delimiter=delimiter)
+            header = [h.strip() for h in next(reader, [])]
             missing = [c for c in required if c not in header]
             if missing:
                 raise PrepareError(f"{path}: unexpected CSV header {header}; missing column(s) {missing}")
-            rows = []
             for row in reader:
-                rows.append({(k or "").strip(): (v.strip() if isinstance(v, str) else v) for k, v in row.items()})
+                if row:
+                    yield {k: (row[i].strip() if i < len(row) else "") for i, k in enumerate(header)}
     except (UnicodeDecodeError, csv.Error, OSError, EOFError) as e:
         raise PrepareError(f"{path}: not a readable CSV file ({e})") from None
+
+
+def read_csv(path, required: Iterable[str], delimiter=",") -> list:
+    """All rows of a CSV as dicts; fails naming the file on a missing column or no rows."""
+    rows = list(iter_csv(path, required, delimiter))
     if not rows:
         raise PrepareError(f"{path}: no rows")
     return rows

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import (Case, PrepareError, Progress, Source, find_first, find_optional, index_images, missing_error,
-                     read_csv, record_file, require_dir, warn)
+from .common import (Case, PrepareError, Progress, Source, find_first, find_optional, index_images, iter_csv,
+                     missing_error, read_csv, record_file, require_dir, warn)
 
 ICH_CLASSES = ["epidural", "intraparenchymal", "intraventricular", "subarachnoid", "subdural"]
 IMAGE_FOLDERS = ["stage_2_train", "stage_2_train_images", "stage_1_train_images", "train_images", "train", "images", "png"]
@@ -27,21 +27,25 @@ def read(src, allow_missing: bool = False, say=print) -> Source:
     csv_path = find_first(root, LABEL_FILES, "the label file stage_2_train.csv")
     files: dict = {}
     record_file(files, root, csv_path)
-    rows = read_csv(csv_path, ["ID", "Label"])
-    labels: dict = {}
-    for i, row in enumerate(rows):
+    subs = ICH_CLASSES + ["any"]
+    labels: dict = {}  # image id -> bytearray of the 6 subtype labels (255 = no row yet)
+    for i, row in enumerate(iter_csv(csv_path, ["ID", "Label"])):
         head, _, sub = row["ID"].rpartition("_")
-        if not head.startswith("ID_") or sub not in ICH_CLASSES + ["any"]:
+        if not head.startswith("ID_") or sub not in subs:
             raise PrepareError(f"{csv_path}: row {i + 2}: unexpected ID {row['ID']!r} "
-                               f"(expected ID_<image>_<subtype>, subtype one of {ICH_CLASSES + ['any']})")
+                               f"(expected ID_<image>_<subtype>, subtype one of {subs})")
         if row["Label"] not in ("0", "1"):
             raise PrepareError(f"{csv_path}: row {i + 2}: label {row['Label']!r} is not 0 or 1")
-        entry = labels.setdefault(head, {})
-        v = int(row["Label"])
-        if sub in entry and entry[sub] != v:
+        entry = labels.get(head)
+        if entry is None:
+            entry = labels[head] = bytearray(b"\xff" * len(subs))
+        j, v = subs.index(sub), int(row["Label"])
+        if entry[j] not in (255, v):
             raise PrepareError(f"{csv_path}: image {head} subtype {sub} is labeled both 0 and 1")
-        entry[sub] = v
-    incomplete = [k for k, v in labels.items() if any(c not in v for c in ICH_CLASSES)]
+        entry[j] = v
+    if not labels:
+        raise PrepareError(f"{csv_path}: no rows")
+    incomplete = [k for k, v in labels.items() if 255 in v[:5]]
     if incomplete:
         raise missing_error(csv_path, f"images lack a row for some of the subtypes {ICH_CLASSES}", incomplete, len(labels))
     folders = [root / f for f in IMAGE_FOLDERS if (root / f).is_dir()]
@@ -56,8 +60,8 @@ def read(src, allow_missing: bool = False, say=print) -> Source:
         if path is None:
             missing.append(image_id)
             continue
-        lab = [labels[image_id][c] for c in ICH_CLASSES]
-        cases.append(Case(image_id, path, patients.get(image_id), lab, meta={"any": labels[image_id].get("any", max(lab))}))
+        lab = list(labels[image_id][:5])
+        cases.append(Case(image_id, path, patients.get(image_id), lab))
     if missing:
         if not allow_missing:
             raise missing_error(csv_path, "labeled images have no image file", missing, len(labels))
