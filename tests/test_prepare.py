@@ -35,6 +35,17 @@ NIH_NAMES = {c: n for c, n in zip(NIH_CLASSES, ["Atelectasis", "Cardiomegaly", "
 # ---------------------------------------------------------------- helpers
 
 
+def image(path):
+    """Open, decode and close an image (no file handle left open)."""
+    with Image.open(path) as im:
+        im.load()
+        return im
+
+
+def pixels(path):
+    return np.asarray(image(path))
+
+
 def run(*argv):
     """Run the preparer like the CLI does; returns the scenario folder."""
     args = prepare.build_standalone_parser().parse_args([str(a) for a in argv] + ["--workers", "1", "--quiet"])
@@ -223,7 +234,7 @@ def test_fedpsl6_table1_layout_and_balanced_test(nih, tmp_path):
     test_patients = {nih_patient(s) for s in stems(sc.test)}
     assert not test_patients & set().union(*site_patients)
     assert {i["source"] for i in sc.test} == {"nih"}
-    img = Image.open(sc.test[0]["image"])
+    img = image(sc.test[0]["image"])
     assert img.size == (16, 16) and img.mode == "L"
     meta = yaml.safe_load((out / "scenario.yaml").read_text())
     assert meta["image_size"] == [16, 16] and meta["channels"] == 1
@@ -269,7 +280,8 @@ def test_fedmlp_nih_missing_classes(nih, tmp_path):
         sizes.append(len(items(site)))
     assert covered == set(sc.classes)
     assert max(sizes) - min(sizes) <= 4  # equal patient-level shares (patients hold 2 images)
-    rows = {r[0][:-4]: r[6] for r in csv.reader(open(nih / "Data_Entry_2017.csv")) if r[0].endswith(".png")}
+    with open(nih / "Data_Entry_2017.csv") as f:
+        rows = {r[0][:-4]: r[6] for r in csv.reader(f) if r[0].endswith(".png")}
     all_items = [i for s in sc.sites.values() for i in items(s)] + sc.test
     assert {rows[Path(i["image"]).stem] for i in all_items} == {"PA"}
     train_p = {nih_patient(Path(i["image"]).stem) for s in sc.sites.values() for i in items(s)}
@@ -398,7 +410,7 @@ def test_isofed_medmnist_fixture(tmp_path):
     for k, site in enumerate(sc.sites.values()):
         labels = [i["label"] for i in items(site)]
         assert (min(labels) >= 0) if k in (0, 2) else set(labels) == {-1}
-    img = Image.open(sc.test[0]["image"])
+    img = image(sc.test[0]["image"])
     assert img.size == (28, 28) and img.mode == "RGB"
     meta = yaml.safe_load((out / "scenario.yaml").read_text())
     assert meta["provenance"]["sources"][0]["files"]["bloodmnist.npz"]["md5_matches_official"] is False
@@ -414,7 +426,7 @@ def test_partial_medmnist_site_classes(tmp_path):
     for site in sc.sites.values():
         full = np.array([i["label"] for i in site.oracle()["training"]])
         assert (full.sum(1) == 1).all()  # one-vs-rest of a single class
-    assert Image.open(sc.test[0]["image"]).size == (32, 32)
+    assert image(sc.test[0]["image"]).size == (32, 32)
 
 
 def test_md5_verification_and_download_from_local_url(tmp_path):
@@ -438,7 +450,7 @@ def check_boxes(site, size):
     oracle = {i["image"]: i["seg"] for i in site.oracle()["training"]}
     n = 0
     for it in site.training:
-        mask = np.asarray(Image.open(oracle[it["image"]]))
+        mask = pixels(oracle[it["image"]])
         labels = [v for v in np.unique(mask) if v > 0]
         assert len(it["boxes"]) == len(labels)
         for box in it["boxes"]:
@@ -490,11 +502,11 @@ def test_fedmix_breast_u_b_l(tmp_path):
     normal = [it for it in sc.site("site-2").training if "normal" in it["image"]]
     assert all(it["boxes"] == [] for it in normal)
     assert {i["site"] for i in sc.test} == {"site-1", "site-2", "site-3"}
-    m = np.asarray(Image.open(sc.test[0]["seg"]))
+    m = pixels(sc.test[0]["seg"])
     assert m.shape == (40, 40) and set(np.unique(m)) <= {0, 255}
     # BUSI's two masks of one image are united (the second lesion sits bottom-right)
     (bus1,) = list(Path(out).glob("*/masks/bus_benign_1.png"))
-    assert (np.asarray(Image.open(bus1))[31:, 33:] == 255).any()
+    assert (pixels(bus1)[31:, 33:] == 255).any()
 
 
 def make_ham(root: Path, seed=6, with_dataset=True):
@@ -531,7 +543,7 @@ def test_fedmix_ham10000_four_sources(tmp_path):
         va = {lesion_of[s] for s in stems(site.validation)}
         te = {lesion_of[Path(i["image"]).stem] for i in sc.test if i["site"] == site.name}
         assert not (tr & va) and not (tr & te) and not (va & te)
-    assert Image.open(sc.test[0]["image"]).mode == "RGB"
+    assert image(sc.test[0]["image"]).mode == "RGB"
     check_boxes(sc.site("site-2"), 32)
 
 

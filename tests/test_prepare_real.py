@@ -29,6 +29,17 @@ def need(*parts):
     return path
 
 
+def image(path):
+    """Open, decode and close an image (no file handle left open)."""
+    with Image.open(path) as im:
+        im.load()
+        return im
+
+
+def pixels(path):
+    return np.asarray(image(path))
+
+
 def run(*argv):
     args = prepare.build_standalone_parser().parse_args([str(a) for a in argv] + ["--quiet"])
     return prepare.run(args)
@@ -53,7 +64,7 @@ def site_skew(sc):
 @pytest.mark.parametrize("name", ["bloodmnist", "pneumoniamnist"])
 def test_isofed_splits_on_real_medmnist(tmp_path, name):
     src = need("medmnist", f"{name}.npz")
-    limit, test_cases = 2000, 300
+    limit, test_cases = 1000, 200
     skews = {}
     for gamma in (0.5, 100.0):
         out = run(name, "--src", src.parent, "--protocol", "isofed", "--gamma", gamma, "--labeled", 1,
@@ -76,7 +87,7 @@ def test_isofed_splits_on_real_medmnist(tmp_path, name):
             assert [i["image"] for i in oracle["training"]] == [i["image"] for i in site.training]
             assert min(i["label"] for i in oracle["training"]) >= 0
         skews[gamma] = site_skew(sc)
-        img = Image.open(sc.test[0]["image"])
+        img = image(sc.test[0]["image"])
         meta = yaml.safe_load((out / "scenario.yaml").read_text())
         assert img.size == (28, 28) and meta["image_size"] == [28, 28]
         assert img.mode == ("RGB" if name == "bloodmnist" else "L") and meta["channels"] == len(img.getbands())
@@ -137,15 +148,15 @@ def test_fedmix_ph2_pixel_box_image_sites(tmp_path):
     size = 256
     # pixel site: masks in {0, 255} at the written size
     for it in sc.site("site-1").training[:10]:
-        m = np.asarray(Image.open(it["seg"]))
+        m = pixels(it["seg"])
         assert m.shape == (size, size) and set(np.unique(m)) <= {0, 255}
     # box site: every box holds its whole mask, margins 1-10 px (unless clamped at the border)
     site = sc.site("site-2")
     oracle = {i["image"]: i["seg"] for i in site.oracle()["training"] + site.oracle()["validation"]}
     n_boxes = 0
     for it in items(site):
-        mask = np.asarray(Image.open(oracle[it["image"]])) > 0
-        assert Image.open(it["image"]).size == (size, size)
+        mask = pixels(oracle[it["image"]]) > 0
+        assert image(it["image"]).size == (size, size)
         if not mask.any():
             assert it["boxes"] == []
             continue
@@ -161,6 +172,25 @@ def test_fedmix_ph2_pixel_box_image_sites(tmp_path):
     site = sc.site("site-3")
     oracle = {i["image"]: i["seg"] for i in site.oracle()["training"]}
     for it in site.training:
-        assert it["classes"] == ([0] if (np.asarray(Image.open(oracle[it["image"]])) > 0).any() else [])
+        assert it["classes"] == ([0] if (pixels(oracle[it["image"]]) > 0).any() else [])
         assert "seg" not in it and "boxes" not in it
     assert {i["site"] for i in sc.test} == {"site-1", "site-2", "site-3"}
+
+
+@pytest.mark.parametrize("bundle,dataset,protocol,extra,overrides", [
+    ("medmnist_cnn", "bloodmnist", "isofed", ["--limit", 300, "--labeled", 1], {}),
+    ("cxr_resnet18", "bloodmnist", "partial", ["--limit", 300, "--sites", 4], {"in_channels": 3, "image_size": 28}),
+    ("lesion_unet", "ph2", "fedmix", ["--limit", 20, "--sites", 3, "--supervision", "L,B,I"], {}),
+])
+def test_a_bundle_trains_one_epoch_on_each_real_scenario(tmp_path, bundle, dataset, protocol, extra, overrides):
+    """The prepared folders are what the MONAI bundles read (same format as the synthetic ones)."""
+    export = pytest.importorskip("fedlabels.export")
+    bundle_dir = Path(__file__).resolve().parents[1] / "bundles" / bundle
+    if not (bundle_dir / "configs" / "train.json").is_file():
+        pytest.skip(f"bundle {bundle} not in this checkout")
+    src = need("ph2") if dataset == "ph2" else need("medmnist", f"{dataset}.npz").parent
+    out = run(dataset, "--src", src, "--protocol", protocol, "--test-cases", 20, "--out", tmp_path / "s", *extra)
+    classes = load_scenario(out).classes
+    ckpt = export.train_bundle(bundle_dir, out, tmp_path / "train", site="site-1", epochs=1, num_workers=0,
+                               class_names=list(classes), **overrides)
+    assert Path(ckpt).is_file()
