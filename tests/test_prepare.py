@@ -443,6 +443,24 @@ def test_md5_verification_and_download_from_local_url(tmp_path):
     assert not list((tmp_path / "dl2").iterdir())  # nothing half-written left behind
 
 
+def test_download_flag_fetches_only_when_absent(tmp_path, monkeypatch):
+    remote = make_npz(tmp_path / "remote" / "bloodmnist.npz", classes=8)
+    calls = []
+
+    def fake_download(name, folder, url=None, md5=None, say=print, timeout=60):
+        calls.append(name)  # the real one is tested above through a file:// URL
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"{name}.npz").write_bytes(remote.read_bytes())
+        return Path(folder) / f"{name}.npz"
+
+    monkeypatch.setattr(medmnist, "download", fake_download)
+    for out in ("a", "b"):
+        run("bloodmnist", "--src", tmp_path / "local", "--protocol", "isofed", "--download", "--out", tmp_path / out)
+    assert calls == ["bloodmnist"]
+    with pytest.raises(PrepareError, match="pneumoniamnist.npz not found"):
+        run("pneumoniamnist", "--src", tmp_path / "local", "--protocol", "isofed", "--out", tmp_path / "c")
+
+
 # ---------------------------------------------------------------- segmentation datasets
 
 

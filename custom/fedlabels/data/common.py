@@ -169,8 +169,11 @@ def index_images(folders: Iterable[Path], exts=IMAGE_EXTS, recursive=True) -> di
         if not folder.is_dir():
             continue
         walker = os.walk(folder) if recursive else [(str(folder), [], os.listdir(folder))]
-        for dirpath, _dirs, files in walker:
-            for name in files:
+        for dirpath, dirs, files in walker:
+            # sorted walk: the same file wins on every machine; never index a
+            # prepared scenario that happens to live under the source folder
+            dirs[:] = sorted(d for d in dirs if ".partial-" not in d and not (Path(dirpath) / d / "scenario.yaml").exists())
+            for name in sorted(files):
                 if name.lower().endswith(exts) and not name.startswith("."):
                     p = Path(dirpath) / name
                     out.setdefault(name, p)
