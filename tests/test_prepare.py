@@ -25,7 +25,7 @@ from fedlabels.data.chestxray import CHEXPERT_COLUMNS, NIH_CLASSES, UNION20
 from fedlabels.data.common import PrepareError, write_mhd
 from fedlabels.data.dicom import read_dicom_header, read_dicom_pixels, write_dicom
 from fedlabels.data.partition import FEDPSL_CLASSES_6, FEDPSL_SITE_CLASSES_6
-from fedlabels.profile import format_summary, load_scenario
+from fedlabels.profile import ScenarioError, format_summary, load_scenario
 
 NIH_NAMES = {c: n for c, n in zip(NIH_CLASSES, ["Atelectasis", "Cardiomegaly", "Effusion", "Infiltration", "Mass",
                                                 "Nodule", "Pneumonia", "Pneumothorax", "Consolidation", "Edema",
@@ -670,7 +670,7 @@ def test_interrupted_preparation_never_validates_and_rerun_completes(tmp_path, m
     # a run killed hard leaves its temporary folder: it never validates...
     killed = tmp_path / "scen.partial-dead"
     (killed / "site-1").mkdir(parents=True)
-    with pytest.raises(Exception):
+    with pytest.raises(ScenarioError):
         load_scenario(killed)
     # ...and the next run cleans it up and completes
     monkeypatch.setattr(build, "_convert", real)
