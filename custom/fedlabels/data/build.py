@@ -274,6 +274,8 @@ def write_plan(plan: Plan, out, seed: int, workers: int = 1, say=None, skip_bad:
             for x in plan.extra_tests:
                 load_extra_test(tmp, x.name)
             table = format_summary(sc)
+            if plan.oracle and sc.task == "multiclass" and any(s.supervision == "none" for s in plan.sites):
+                table += "\n" + _oracle_table(sc)
             test_line = _test_line(sc)
             meta["summary"] = {name: _site_summary(site) for name, site in sc.sites.items()}
             if sc.test is not None:
@@ -312,6 +314,18 @@ def _site_summary(site) -> dict:
             per_class[name] = f"{s['annotated'][c]}/{s['positives'][c]}"
     return {"training": s["cases"], "validation": len(site.validation), "supervision": site.profile.supervision,
             "per_class": per_class}
+
+
+def _oracle_table(sc) -> str:
+    """Training cases per class from oracle.json: the label skew unlabeled sites hide."""
+    heads = ["site", "cases"] + list(sc.classes)
+    rows = []
+    for name, site in sc.sites.items():
+        y = [i["label"] for i in site.oracle()["training"]]
+        rows.append([name, str(len(y))] + [str(v) for v in np.bincount(y, minlength=len(sc.classes))])
+    widths = [max(len(r[i]) for r in [heads] + rows) for i in range(len(heads))]
+    fmt = lambda r: "  ".join(v.rjust(w) for v, w in zip(r, widths))  # noqa: E731
+    return "\n".join(["true classes (oracle.json, training split):", fmt(heads)] + [fmt(r) for r in rows])
 
 
 def _test_line(sc) -> str:
