@@ -379,6 +379,42 @@ def test_partial_bce_in_the_bundle_ignores_missing_labels():
     assert (b.grad[target < 0] == 0).all()
 
 
+@pytest.mark.parametrize("name", list(BUNDLES))
+def test_augmentation_leaves_the_cache_intact(name, scenarios):
+    """``copy_cache: false`` is only safe while no random transform edits its input in place."""
+    import copy
+
+    family, size = BUNDLES[name]
+    parser = ConfigParser()
+    parser.read_config(cfg(name, "train.json"))
+    parser.update({"bundle_root": str(REPO / "bundles" / name), "dataset_dir": str(scenarios[family]),
+                   "site": "site-1", "image_size": size})
+    ds = parser.get_parsed_content("train#dataset")
+    assert ds.copy_cache is False
+    before = copy.deepcopy(ds._cache)
+    for _ in range(2):
+        for i in range(len(ds)):
+            item = ds[i]
+            assert type(item["image"]) is torch.Tensor  # plain tensors reach the network, not MetaTensors
+            assert item["image"].shape == (parser.get_parsed_content("in_channels"), size, size)
+    for a, b in zip(before, ds._cache):
+        assert torch.equal(torch.as_tensor(a["image"]), torch.as_tensor(b["image"]))
+        assert torch.equal(torch.as_tensor(a["label"]), torch.as_tensor(b["label"]))
+
+
+def test_rand_dihedral_moves_image_and_mask_together():
+    t = bundle_data.RandDihedrald(keys=["image", "label"], prob=1.0)
+    t.set_random_state(0)
+    img = torch.arange(2 * 5 * 7, dtype=torch.float32).reshape(2, 5, 7)
+    seen = set()
+    for _ in range(64):
+        out = t({"image": img, "label": img[:1].clone()})
+        assert torch.equal(out["image"][:1], out["label"])
+        assert sorted(out["image"].flatten().tolist()) == sorted(img.flatten().tolist())
+        seen.add(tuple(out["image"][0].flatten()[:3].tolist()) + tuple(out["image"].shape))
+    assert len(seen) == 8  # all of D4
+
+
 # -------------------------------------------------------------------- CLI
 
 

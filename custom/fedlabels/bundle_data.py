@@ -10,6 +10,7 @@ The bundle configs call these functions, so a bundle trained with
 * ``image_files(path)`` -- the inputs of ``inference.json``.
 * ``Ensure2DChannelsd`` -- makes any 2D input (grey, RGB, RGBA, a 2D NIfTI
   stored as H x W x 1) the channel count a network expects.
+* ``RandDihedrald`` -- cheap random flip / rotate-by-90 for training.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from monai.config import KeysCollection
-from monai.transforms import MapTransform
+from monai.transforms import MapTransform, RandomizableTransform
 
 from .profile import IMAGE_SUFFIXES, ScenarioError, load_scenario
 
@@ -191,4 +192,44 @@ class Ensure2DChannelsd(MapTransform):
         return d
 
 
-__all__ = ["datalist", "scenario_info", "default_dataset", "image_files", "Ensure2DChannelsd", "IMAGE_SUFFIXES"]
+
+
+class RandDihedrald(RandomizableTransform, MapTransform):
+    """With probability ``prob``, one random flip/rotate-by-90 (an element of the
+    dihedral group D4) on the last two (spatial) dimensions, the same for every key.
+
+    A label-preserving augmentation for orientation-free images (MedMNIST-style
+    shapes, dermoscopy) at the cost of two tensor ops: MONAI's per-sample
+    ``RandFlipd`` + ``RandRotate90d`` track metadata for inversion, which on
+    28 px images costs more than the network step. Not invertible (training only).
+    """
+
+    def __init__(self, keys: KeysCollection, prob: float = 1.0, allow_missing_keys: bool = False):
+        MapTransform.__init__(self, keys, allow_missing_keys)
+        RandomizableTransform.__init__(self, prob)
+        self._k, self._flip = 0, False
+
+    def randomize(self, data=None) -> None:
+        super().randomize(None)
+        self._k = int(self.R.randint(4))
+        self._flip = bool(self.R.randint(2))
+
+    def __call__(self, data):
+        d = dict(data)
+        self.randomize()
+        if not self._do_transform or (self._k == 0 and not self._flip):
+            return d
+        for key in self.key_iterator(d):
+            img = d[key]
+            if isinstance(img, torch.Tensor):
+                img = torch.rot90(img, self._k, dims=(-2, -1)) if self._k else img
+                img = torch.flip(img, dims=(-1,)) if self._flip else img
+            else:
+                img = np.rot90(img, self._k, axes=(-2, -1)) if self._k else img
+                img = np.ascontiguousarray(np.flip(img, axis=-1) if self._flip else img)
+            d[key] = img
+        return d
+
+
+__all__ = ["datalist", "scenario_info", "default_dataset", "image_files", "Ensure2DChannelsd", "RandDihedrald",
+           "IMAGE_SUFFIXES"]
