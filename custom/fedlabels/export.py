@@ -113,6 +113,8 @@ def train_bundle(bundle, data, out, site=None, epochs: int | None = None, oracle
     wf.run()
     trainer = wf.trainer
     evaluator = wf.parser.get_parsed_content("validate#evaluator")
+    n_train = len(wf.parser.get_parsed_content("train#dataset"))
+    n_val = len(wf.parser.get_parsed_content("validate#dataset"))
     wf.finalize()
     best, final = ckpt_dir / "model.pt", ckpt_dir / "model_final.pt"
     ckpt = best if best.is_file() else final
@@ -121,6 +123,8 @@ def train_bundle(bundle, data, out, site=None, epochs: int | None = None, oracle
         "dataset_dir": args["dataset_dir"],
         "site": site or None,
         "oracle": bool(oracle),
+        "train_cases": n_train,
+        "validation_cases": n_val,
         "epochs": int(trainer.state.max_epochs),
         "iterations": int(trainer.state.iteration),
         "seconds": round(time.perf_counter() - t0, 2),
