@@ -274,6 +274,40 @@ def test_inference_config_runs_on_new_images(trained, tmp_path):
     assert np.allclose(probs[0], ref[0].numpy(), atol=1e-5)
 
 
+def test_inference_reads_png_jpeg_and_nifti(trained, tmp_path):
+    """One picture as PNG, as NIfTI (x, y array order, MONAI's convention) and as an RGB JPEG."""
+    import nibabel as nib
+
+    exp = trained["export"]
+    src = sorted((trained["data"] / "test" / "images").glob("*.png"))[:2]
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for f in src:
+        arr = np.asarray(Image.open(f))
+        Image.fromarray(arr).save(inputs / f"{f.stem}.png")
+        xy = np.swapaxes(arr, 0, 1)  # PIL rows are y; MONAI's PILReader and NIfTI arrays index x first
+        nib.save(nib.Nifti1Image(xy.astype(np.float32), np.eye(4)), str(inputs / f"{f.stem}_n.nii.gz"))
+        rgb = np.repeat(arr[..., None], 3, -1) if arr.ndim == 2 else arr
+        Image.fromarray(rgb).save(inputs / f"{f.stem}_j.jpg", quality=95)
+    out = tmp_path / "out"
+    overrides = {"output_ext": ".nii.gz"} if trained["family"] == "lesion" else {}
+    run(config_file=str(exp / "configs" / "inference.json"), meta_file=str(exp / "configs" / "metadata.json"),
+        logging_file=False, bundle_root=str(exp), dataset_dir=str(inputs), output_dir=str(out), **overrides)
+    if trained["family"] == "lesion":
+        for f in src:
+            for stem in (f.stem, f"{f.stem}_n", f"{f.stem}_j"):
+                mask = nib.load(str(out / f"{stem}_seg.nii.gz")).get_fdata()
+                assert mask.squeeze().shape == np.asarray(Image.open(f)).shape[:2][::-1]  # x, y order
+        return
+    with open(out / "predictions.csv") as fh:
+        rows = {Path(r[0]).name: np.array([float(v) for v in r[1:]]) for r in list(csv.reader(fh))[1:]}
+    assert len(rows) == 3 * len(src)
+    for f in src:
+        png = rows[f"{f.stem}.png"]
+        assert np.allclose(rows[f"{f.stem}_n.nii.gz"], png, atol=1e-5)  # same pixels, same orientation
+        assert np.allclose(rows[f"{f.stem}_j.jpg"], png, atol=0.1)  # lossy JPEG, RGB -> grey where needed
+
+
 def test_segmentation_masks_keep_orientation_and_size(tmp_path):
     """Inference postprocessing (invert resize, threshold, save) returns a mask aligned with the input."""
     from monai.transforms import Compose

@@ -158,7 +158,8 @@ class Ensure2DChannelsd(MapTransform):
     """Make a channel-first 2D image have ``channels`` channels.
 
     Trailing singleton spatial dimensions (a 2D NIfTI stored as H x W x 1) are
-    dropped; an alpha channel is dropped; RGB becomes grey by averaging when
+    dropped; a 2D colour image stored as x, y, channel (RGB NIfTI) gets its
+    channels first; an alpha channel is dropped; RGB becomes grey by averaging when
     one channel is wanted; grey is repeated when three are wanted. Anything
     else fails with a message naming the shape.
     """
@@ -173,6 +174,9 @@ class Ensure2DChannelsd(MapTransform):
             img = d[key]
             while img.ndim > 3 and img.shape[-1] == 1:
                 img = img[..., 0]
+            if img.ndim == 4 and img.shape[0] == 1 and img.shape[-1] in (2, 3, 4):
+                # a 2D colour image stored as x, y, channel (e.g. NIfTI): channels last -> first
+                img = img[0].permute(2, 0, 1) if isinstance(img, torch.Tensor) else np.moveaxis(img[0], -1, 0)
             if img.ndim != 3:
                 raise ValueError(f"{key}: expected a 2D image (channel-first, 3 dims), got shape {tuple(img.shape)}")
             c = img.shape[0]
