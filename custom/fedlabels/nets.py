@@ -159,3 +159,11 @@ def freeze_batchnorm(net: nn.Module) -> None:
             mod.eval()
             for p in mod.parameters():
                 p.requires_grad_(False)
+
+
+def rebuild(net: nn.Module) -> nn.Module:
+    """A fresh instance of the same class from the constructor arguments it keeps."""
+    import inspect
+
+    params = inspect.signature(type(net).__init__).parameters
+    return type(net)(**{p: getattr(net, p) for p in params if p != "self" and hasattr(net, p)})

@@ -1,0 +1,1 @@
+"""The FLARE glue: the only package that imports nvflare."""

@@ -1,0 +1,131 @@
+"""Build a FLARE job for any method x bundle with the nvflare Job API.
+
+A job differs from another only in its arguments: the server runs
+``FedLabelsController`` with the method's name and options, every site runs
+``fedlabels.flare.client`` through the Client API, the bundle travels inside
+the job (``app/custom/<bundle>``) so sites read the same network and
+transforms, and the global model is persisted by nvflare's ``PTModel``.
+
+The committed folders under ``nvflare_jobs/`` are exported from here
+(``fedlabels jobs``); a test fails when they drift.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nvflare.app_common.executors.client_api_executor import ClientAPIExecutor
+from nvflare.app_opt.pt.job_config.model import PTModel
+from nvflare.client.config import ExchangeFormat
+from nvflare.job_config.api import FedJob
+
+from ..local import read_bundle
+from .controller import FedLabelsController
+
+REPO = Path(__file__).resolve().parents[3]
+SHIM = Path(__file__).with_name("client_script.py")
+
+
+@dataclass
+class JobSpec:
+    """Everything that distinguishes one job from another."""
+
+    name: str
+    method: str
+    bundle: str = "cxr_densenet121"
+    family: str = "cxr"
+    rounds: int = 20
+    sites: int = 4
+    options: dict = field(default_factory=dict)  # the method's named options
+    synth: dict = field(default_factory=dict)  # embedded-data options (cases, size, ...)
+    network: dict = field(default_factory=dict)  # network_def overrides (e.g. hidden)
+    seed: int = 0
+    batch_size: int | None = None
+    key_metric: str = "val_auroc"
+    min_sites: int = 1
+    resume_from: str = ""
+    external_process: bool = False
+
+
+# One job per federated method on the embedded cxr scenario (DenseNet121, 64 px).
+CXR_TRAINING = {"lr": 1e-3, "epochs": 1}
+CXR_JOBS = [
+    JobSpec("fedavg_cxr", "fedavg", options=dict(CXR_TRAINING)),
+    JobSpec("fedavg_pl_cxr", "fedavg_pl", options=dict(CXR_TRAINING)),
+    JobSpec("fedprox_cxr", "fedprox", options={**CXR_TRAINING, "mu": 0.001}),
+    JobSpec("fedbn_cxr", "fedbn", options=dict(CXR_TRAINING)),
+    JobSpec("fedbn_plus_cxr", "fedbn_plus", options=dict(CXR_TRAINING)),
+    JobSpec("surgical_cxr", "surgical", options={**CXR_TRAINING, "warmup_epochs": 3, "warmup_lr": 5e-3}),
+    JobSpec("fedpsl_cxr", "fedpsl", options=dict(CXR_TRAINING)),
+    JobSpec("fedpsl_tdma_cxr", "fedpsl_tdma", options=dict(CXR_TRAINING)),
+    JobSpec("fedpsl_tadl_cxr", "fedpsl_tadl", options=dict(CXR_TRAINING)),
+]
+JOBS = {spec.name: spec for spec in CXR_JOBS}
+
+
+def _kv(pairs: dict) -> list:
+    out = []
+    for k, v in pairs.items():
+        out.append(f"{k}={str(v).lower() if isinstance(v, bool) else v}")
+    return out
+
+
+def script_args(spec: JobSpec) -> str:
+    args = ["--bundle", Path(spec.bundle).name, "--method", spec.method, "--family", spec.family, "--seed", str(spec.seed)]
+    for kv in _kv(spec.options):
+        args += ["--opt", kv]
+    for kv in _kv(spec.synth):
+        args += ["--synth", kv]
+    if spec.batch_size:
+        args += ["--batch-size", str(spec.batch_size)]
+    return shlex.join(args)
+
+
+def server_network(spec: JobSpec):
+    """The bundle's network, instantiated for the server's persistor."""
+    bundle = REPO / "bundles" / Path(spec.bundle).name if not Path(spec.bundle).is_dir() else Path(spec.bundle)
+    parser = read_bundle(bundle, "")
+    for key, value in spec.network.items():
+        parser[f"network_def#{key}"] = value
+    return parser.get_parsed_content("network_def", instantiate=True), bundle
+
+
+def build_job(spec: JobSpec) -> FedJob:
+    net, bundle = server_network(spec)
+    job = FedJob(name=spec.name, min_clients=spec.sites)
+    # fedlabels is pip-installed at every site and server: reference it, don't copy it.
+    job.set_app_packages(["fedlabels"])
+    controller = FedLabelsController(num_clients=spec.sites, num_rounds=spec.rounds, method=spec.method,
+                                     method_options=spec.options, key_metric=spec.key_metric,
+                                     min_sites=spec.min_sites, resume_from=spec.resume_from, seed=spec.seed)
+    job.to_server(controller, id="controller")
+    # Sites poll for tasks every 0.2 s instead of 2 s: a round is not padded by polling.
+    job.to_server({"server": {"task_request_interval": 0.2}})
+    job.to_server(PTModel(net))
+    if spec.external_process:
+        executor = ClientAPIExecutor(execution_mode="external_process", command=f"python3 -u custom/{SHIM.name} {script_args(spec)}",
+                                     params_exchange_format=ExchangeFormat.NUMPY, server_expected_format=ExchangeFormat.NUMPY)
+    else:
+        executor = ClientAPIExecutor(execution_mode="in_process", task_script_path=SHIM.name, task_script_args=script_args(spec),
+                                     params_exchange_format=ExchangeFormat.NUMPY, server_expected_format=ExchangeFormat.NUMPY)
+    job.to_clients(executor, tasks=["*"])
+    job.add_file_to_clients(str(SHIM))
+    job.add_file_to_clients(str(bundle), dest_dir=bundle.name)
+    return job
+
+
+def export(spec: JobSpec, out_dir) -> Path:
+    """Write the job folder ``out_dir/<name>`` (replacing an older one atomically)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        build_job(spec).export_job(tmp)
+        target = out_dir / spec.name
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.move(str(Path(tmp) / spec.name), target)
+    return target
