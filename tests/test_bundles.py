@@ -463,3 +463,12 @@ def test_documented_command_line_trains(scenarios, tmp_path):
     assert (tmp_path / "models" / "model_final.pt").is_file()
     assert "train epoch 1/1" in proc.stdout + proc.stderr
     assert not (bundle / "models").exists(), "training wrote into the committed bundle folder"
+
+
+def test_nothing_was_written_into_the_committed_bundles():
+    """Runs above pass output folders explicitly; the bundle folders stay as committed."""
+    for name in BUNDLES:
+        folder = REPO / "bundles" / name
+        extra = sorted(p.name for p in folder.iterdir() if p.name not in ("configs", "docs", "LICENSE"))
+        assert not extra, f"{folder}: unexpected {extra}"
+    assert not (REPO / "eval").exists() and not (REPO / "models").exists()

@@ -170,7 +170,9 @@ def evaluate_bundle(bundle, ckpt, data, out=None, split: str = "test", site=None
     (``out`` defaults to a temporary folder that is removed).
     """
     bundle = bundle_path(bundle)
+    given = ckpt
     ckpt = _as_state_dict_file(ckpt)
+    converted = not (isinstance(given, (str, os.PathLike)) and Path(given).resolve() == ckpt)
     if split in ("test", "testing"):
         eval_split = "test"
     elif split in ("validation", "training"):
@@ -199,9 +201,14 @@ def evaluate_bundle(bundle, ckpt, data, out=None, split: str = "test", site=None
         wf.run()
         wf.finalize()
         result = json.loads((out / "metrics.json").read_text())
+        if converted:  # name what the caller gave, not the temporary conversion
+            result["checkpoint"] = str(given) if isinstance(given, (str, os.PathLike)) else "<in-memory state dict>"
+            _write_json(out / "metrics.json", result)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        if converted:
+            ckpt.unlink(missing_ok=True)
     shown = ", ".join(f"{k} {v:.4f}" for k, v in result["metrics"].items() if isinstance(v, float))
     logger.info(f"{bundle.name} on {eval_split}{' of ' + site if site else ''}: {shown}")
     return result
@@ -316,7 +323,8 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
         raise ValueError(f"{out}: export into a new folder, not over the source bundle")
     state = load_state_dict(ckpt)
 
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent if out.parent.exists() else None))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))  # same filesystem: atomic swap
     try:
         for name in BUNDLE_FILES:
             src = bundle / name
@@ -368,7 +376,6 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.replace(out, old)
             shutil.rmtree(old, ignore_errors=True)
-        out.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, out)
     finally:
         if staging.exists():
