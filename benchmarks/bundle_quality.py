@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bundle_quality.md"))
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows of an earlier run (same bundle and mode are replaced)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -49,7 +51,10 @@ def main(argv=None) -> int:
     from fedlabels.export import evaluate_bundle, train_bundle
     from fedlabels.profile import load_scenario
 
+    out = Path(args.out)
     rows = []
+    if args.append and out.with_suffix(".json").is_file():
+        rows = json.loads(out.with_suffix(".json").read_text())
     with tempfile.TemporaryDirectory(prefix="fedlabels-quality-") as tmp:
         for name in args.bundles:
             fam = FAMILY[name]
@@ -65,6 +70,7 @@ def main(argv=None) -> int:
                 key = KEY[fam]
                 m = result["metrics"]
                 per_class = result["details"][key].get("per_class", {})
+                rows = [r for r in rows if (r["bundle"], r["mode"]) != (name, mode)]
                 rows.append({
                     "bundle": name, "mode": mode, "scenario": sc.name, "epochs": summary["epochs"],
                     "train_cases": summary["train_cases"], "seconds": round(time.perf_counter() - t0),
@@ -73,6 +79,16 @@ def main(argv=None) -> int:
                     "best_val": summary["best_metric"], "best_epoch": summary["best_metric_epoch"],
                 })
                 print(f"[{name}] {mode}: test {key} = {m.get(key)}", flush=True)
+                write_report(rows, args, out)  # after every run: a long run keeps what it finished
+
+    write_report(rows, args, out)
+    print(f"written to {out}")
+    return 0
+
+
+def write_report(rows, args, out: Path) -> None:
+    order = {b: i for i, b in enumerate(FAMILY)}
+    rows = sorted(rows, key=lambda r: (order.get(r["bundle"], 99), r["mode"]))
 
     lines = [
         "# Bundle quality without federation (default synthetic scenarios)",
@@ -82,7 +98,7 @@ def main(argv=None) -> int:
         "pooled -- *centralized* with the labels the sites have, *oracle* with the full labels -- and",
         "scored on the scenario's held-out, fully labeled test split. Checkpoint = best validation key",
         "metric. Seed "
-        f"{args.seed}.",
+        f"{args.seed}; epochs as listed (the bundle default unless shortened to bound the run time on 2 CPU cores).",
         "",
         "| bundle | scenario | mode | train cases | epochs | test metric | test | other test metrics | best val (epoch) | time |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -103,15 +119,13 @@ def main(argv=None) -> int:
             vals = [r["per_class_auroc"][c] for c in classes]
             lines.append(f"| {r['bundle']} | {r['mode']} | " + " | ".join(f"{v:.3f}" if v is not None else "n/a"
                                                                           for v in vals) + " |")
-    lines += ["", f"torch {torch.__version__} ({torch.get_num_threads()} threads), {os.cpu_count()} CPU cores.", ""]
+    lines += ["", f"torch {torch.__version__} ({torch.get_num_threads()} threads), {os.cpu_count()} CPU cores "
+              "(shared with other jobs: times are indicative only).", ""]
     text = "\n".join(lines)
-    print("\n" + text)
-    out = Path(args.out)
+    print("\n" + text, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    print(f"written to {out}")
-    return 0
 
 
 if __name__ == "__main__":
