@@ -449,6 +449,31 @@ def test_rand_dihedral_moves_image_and_mask_together():
     assert len(seen) == 8  # all of D4
 
 
+@pytest.mark.parametrize("saver_cls", ["monai", "fedlabels"])
+def test_best_checkpoint_skips_undefined_key_metric(saver_cls, tmp_path):
+    """A NaN key metric at the first validation must not freeze model.pt (plain MONAI saver: it does)."""
+    from ignite.engine import Engine, Events
+    from monai.handlers import CheckpointSaver
+
+    from fedlabels.bundle_handlers import BestMetricCheckpointSaver
+
+    net = torch.nn.Linear(1, 1)
+    scores = [float("nan"), 0.5, 0.4, 0.7, 0.6]
+    engine = Engine(lambda e, b: None)
+
+    @engine.on(Events.EPOCH_COMPLETED)
+    def _epoch(e):  # registered before the saver: the "metric" of this epoch, weights = epoch number
+        e.state.metrics["m"] = scores[e.state.epoch - 1]
+        torch.nn.init.constant_(net.weight, float(e.state.epoch))
+
+    cls = CheckpointSaver if saver_cls == "monai" else BestMetricCheckpointSaver
+    cls(save_dir=str(tmp_path), save_dict={"model": net}, save_key_metric=True, key_metric_name="m",
+        key_metric_filename="model.pt").attach(engine)
+    engine.run([0], max_epochs=len(scores))
+    saved = load_state_dict(tmp_path / "model.pt")["weight"].item()
+    assert saved == (1.0 if saver_cls == "monai" else 4.0)
+
+
 # -------------------------------------------------------------------- CLI
 
 

@@ -8,6 +8,8 @@
 * ``PredictionCSVWriter`` -- one CSV row per input image: path and per-class
   probability, with a header of class names.
 * ``EpochSummary`` -- one readable log line per epoch (loss, images/s, ETA).
+* ``BestMetricCheckpointSaver`` -- MONAI's ``CheckpointSaver`` that does not
+  save a "best" model at an epoch whose key metric is undefined (NaN).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 from ignite.engine import Engine, Events
 from ignite.metrics import Metric
+from monai.handlers import CheckpointSaver
 
 from . import metrics as fm
 
@@ -249,4 +252,27 @@ class EpochSummary:
                     f"{self._images / dt:.1f} images/s, {dt:.1f} s, ETA {eta:.0f} s")
 
 
-__all__ = ["LabelAwareMetric", "MetricsJSONWriter", "PredictionCSVWriter", "EpochSummary"]
+class BestMetricCheckpointSaver(CheckpointSaver):
+    """``monai.handlers.CheckpointSaver`` whose key-metric checkpoint skips undefined (NaN) epochs.
+
+    Ignite keeps the first checkpoint whatever its score and then compares
+    ``new > best``, which is never true against NaN: an undefined key metric
+    at the first validation (a small site without positives for its classes)
+    would freeze ``model.pt`` at that epoch. Here such epochs are skipped and
+    logged; ``model.pt`` is the best epoch with a defined metric, or absent.
+    """
+
+    def __init__(self, *args, key_metric_name: str | None = None, **kwargs):
+        super().__init__(*args, key_metric_name=key_metric_name, **kwargs)
+        self._metric_name = key_metric_name
+
+    def metrics_completed(self, engine: Engine) -> None:
+        name = self._metric_name or getattr(engine.state, "key_metric_name", None)
+        value = engine.state.metrics.get(name) if name else None
+        if isinstance(value, float) and math.isnan(value):
+            logger.warning(f"epoch {engine.state.epoch}: {name} is undefined; no best-model checkpoint this epoch")
+            return
+        super().metrics_completed(engine)
+
+
+__all__ = ["LabelAwareMetric", "MetricsJSONWriter", "PredictionCSVWriter", "EpochSummary", "BestMetricCheckpointSaver"]
