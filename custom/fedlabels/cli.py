@@ -96,12 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("data")
     s.set_defaults(fn=cmd_validate)
 
-    try:
-        from .data import prepare
-    except ImportError:  # preparers not installed in this build
-        prepare = None
-    if prepare is not None:
-        prepare.add_parser(sub)
+    from .data import prepare
+
+    prepare.add_parser(sub)
 
     s = sub.add_parser("train", help="train a bundle locally (one site) or centralized (all sites)")
     s.add_argument("--bundle", required=True)
@@ -129,12 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("methods", help="list the registered federated methods")
     s.set_defaults(fn=cmd_methods)
 
-    try:
-        from .flare import commands as flare_commands
-    except ImportError:
-        flare_commands = None
-    if flare_commands is not None:
-        flare_commands.add_parsers(sub)
+    from .flare import commands as flare_commands
+
+    flare_commands.add_parsers(sub)
     return p
 
 

@@ -64,7 +64,30 @@ def build_parser():
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--fault", action="append", default=[], metavar="SITE:KIND:ROUND",
+                   help="fault drill: make SITE send a bad update (KIND nan|shape|keys) or crash (crash) at ROUND")
     return p
+
+
+def inject_fault(faults, site: str, rnd: int, weights: dict) -> dict:
+    """Deliberately corrupt this site's update, to drill the server's fault handling."""
+    for fault in faults:
+        where, kind, when = fault.split(":")
+        if where != site or int(when) != rnd:
+            continue
+        key = next(k for k, v in weights.items() if v.dtype.kind == "f")
+        if kind == "crash":
+            raise RuntimeError(f"fault drill: {site} crashes in round {rnd}")
+        weights = dict(weights)
+        if kind == "nan":
+            weights[key] = weights[key] * float("nan")
+        elif kind == "shape":
+            weights[key] = weights[key].reshape(-1)[:-1]
+        elif kind == "keys":
+            weights["not_a_layer.weight"] = weights.pop(key)
+        else:
+            raise ValueError(f"unknown fault kind {kind!r}")
+    return weights
 
 
 def data_root(args) -> Path:
@@ -120,7 +143,7 @@ def main(argv=None, here: Path | None = None):
             update = client.train(model.params, model.current_round, (model.meta or {}).get("extras"))
             metrics = {**update.metrics, **flat_metrics(received)}
             meta = {**update.meta, "n": update.n, "NUM_STEPS_CURRENT_ROUND": update.n}
-            flare.send(FLModel(params=update.weights, metrics=metrics, meta=meta))
+            flare.send(FLModel(params=inject_fault(args.fault, site, model.current_round, update.weights), metrics=metrics, meta=meta))
             print(f"[{site}] round {model.current_round}: n={update.n} train_loss={update.metrics.get('train_loss', float('nan')):.4f} "
                   f"received {flat_metrics(received).get('val_auroc', flat_metrics(received).get('val_accuracy'))} "
                   f"({time.time() - t0:.1f}s)", flush=True)

@@ -49,6 +49,7 @@ class JobSpec:
     min_sites: int = 1
     resume_from: str = ""
     external_process: bool = False
+    faults: list = field(default_factory=list)  # fault drills, "SITE:KIND:ROUND" (see client.py)
 
 
 # One job per federated method on the embedded cxr scenario (DenseNet121, 64 px).
@@ -80,6 +81,8 @@ def script_args(spec: JobSpec) -> str:
         args += ["--opt", kv]
     for kv in _kv(spec.synth):
         args += ["--synth", kv]
+    for fault in spec.faults:
+        args += ["--fault", fault]
     if spec.batch_size:
         args += ["--batch-size", str(spec.batch_size)]
     return shlex.join(args)
@@ -129,3 +132,40 @@ def export(spec: JobSpec, out_dir) -> Path:
             shutil.rmtree(target)
         shutil.move(str(Path(tmp) / spec.name), target)
     return target
+
+
+def run_cli(spec: JobSpec, argv=None) -> None:
+    """The command line of each ``nvflare_jobs/<job>/job.py``: export, or run in SimEnv / PocEnv / ProdEnv."""
+    import argparse
+    import dataclasses
+
+    from nvflare.recipe import PocEnv, ProdEnv, SimEnv
+    from nvflare.recipe.spec import Recipe
+
+    p = argparse.ArgumentParser(description=f"fedlabels job {spec.name} ({spec.method})")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--export", metavar="DIR", help="write the job folder into DIR")
+    where.add_argument("--sim", metavar="WORKSPACE", help="run in the FLARE simulator")
+    where.add_argument("--poc", action="store_true", help="run in a local POC deployment (nvflare poc prepare first)")
+    where.add_argument("--prod", metavar="STARTUP_KIT", help="submit to a provisioned project with this admin startup kit")
+    p.add_argument("-n", "--sites", type=int, default=spec.sites)
+    p.add_argument("--rounds", type=int, default=spec.rounds)
+    args = p.parse_args(argv)
+    spec = dataclasses.replace(spec, sites=args.sites, rounds=args.rounds)
+    if args.export:
+        print(export(spec, args.export))
+        return
+
+    class FedLabelsRecipe(Recipe):
+        def __init__(self):
+            super().__init__(build_job(spec))
+
+    if args.sim:
+        env = SimEnv(num_clients=args.sites, workspace_root=args.sim)
+    elif args.poc:
+        env = PocEnv(num_clients=args.sites)
+    else:
+        env = ProdEnv(startup_kit_location=args.prod)
+    run = FedLabelsRecipe().execute(env)
+    if run is not None:
+        print(f"job {run.get_job_id()}: {run.get_status()}; results: {run.get_result()}")
