@@ -6,10 +6,10 @@
     fedlabels train --bundle bundles/X --data DIR [--site NAME] [--epochs N] --out DIR
     fedlabels evaluate --bundle bundles/X --ckpt MODEL --data DIR
     fedlabels export --bundle bundles/X --ckpt MODEL --out DIR
+    fedlabels baseline {local,centralized,oracle} --data DIR   non-federated references
     fedlabels methods                              registered federated methods
     fedlabels jobs --out nvflare_jobs              (re)generate the FLARE job folders
     fedlabels simulate JOB [--data DIR] -n N       run one job in the FLARE simulator
-    fedlabels baseline {local,centralized,oracle}  non-federated references
     fedlabels demo --out DIR                       the main job on the embedded data
 """
 
@@ -69,6 +69,26 @@ def cmd_export(args):
     _say(f"exported bundle: {out}")
 
 
+def cmd_baseline(args):
+    from . import references
+    from .export import bundle_path
+    from .flare.commands import comparison_table, label_counts
+
+    bundle = bundle_path(args.bundle)
+    if args.kind == "local":
+        per_site = references.local(bundle, args.data, args.epochs, batch_size=args.batch_size, seed=args.seed, log=_say)
+        results = {f"local {site}": r["test"] for site, r in per_site.items()}
+    else:
+        results = {args.kind: references.pooled(bundle, args.data, args.epochs, oracle=args.kind == "oracle",
+                                                batch_size=args.batch_size, seed=args.seed)}
+    table = comparison_table(results, label_counts(args.data))
+    _say(table)
+    if args.out:
+        from .profile import write_json_atomic
+
+        write_json_atomic(args.out, results)
+
+
 def cmd_methods(args):
     from . import methods
 
@@ -122,6 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ckpt", required=True)
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser("baseline", help="non-federated references: local learning, centralized, oracle")
+    s.add_argument("kind", choices=["local", "centralized", "oracle"])
+    s.add_argument("--bundle", default="cxr_densenet121")
+    s.add_argument("--data", required=True)
+    s.add_argument("--epochs", type=int, default=5)
+    s.add_argument("--batch-size", type=int)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", help="save the test metrics as JSON")
+    s.set_defaults(fn=cmd_baseline)
 
     s = sub.add_parser("methods", help="list the registered federated methods")
     s.set_defaults(fn=cmd_methods)

@@ -27,6 +27,8 @@ from PIL import Image
 from ..profile import SiteProfile, scenario_writer, write_json_atomic, write_site, write_yaml
 
 FAMILIES = ("cxr", "medmnist", "lesion")
+# Part of the cache key: bump when the images a seed produces change.
+GENERATOR_VERSION = "v2"
 
 CXR_CLASSES = ["infiltration", "effusion", "atelectasis", "nodule", "consolidation", "pneumothorax"]
 # FedPSL Table I: which classes each of the four sites annotates.
@@ -96,7 +98,7 @@ def cxr_image(rng, labels, size, shift):
     cx = (side * 2 - 1) * 0.4
     if labels[0]:  # infiltration: hazy patchy opacity over one lung
         haze = np.clip(_smooth_noise(rng, size, 6), 0, None)
-        img = img + rng.uniform(0.12, 0.22) * haze * lung
+        img = img + rng.uniform(0.2, 0.3) * haze * lung
     if labels[1]:  # effusion: fluid level at the lung base
         level = rng.uniform(0.25, 0.4)
         fluid = lung & (y > level + 0.08 * np.abs(x - cx))
@@ -105,11 +107,11 @@ def cxr_image(rng, labels, size, shift):
         ang = rng.uniform(-0.6, 0.6)
         off = rng.uniform(-0.3, 0.2)
         dist = np.abs((y - off) * np.cos(ang) - (x - cx) * np.sin(ang))
-        img = img + rng.uniform(0.15, 0.25) * np.exp(-(dist / 0.035) ** 2) * lung
+        img = img + rng.uniform(0.2, 0.3) * np.exp(-(dist / 0.05) ** 2) * lung
     if labels[3]:  # nodule: one or two small round opacities
         for _ in range(rng.integers(1, 3)):
             ny, nx = rng.uniform(-0.45, 0.35), cx + rng.uniform(-0.15, 0.15)
-            r = rng.uniform(0.045, 0.07)
+            r = rng.uniform(0.07, 0.1)
             img = img + rng.uniform(0.2, 0.3) * np.exp(-(((x - nx) ** 2 + (y - ny) ** 2) / r**2) ** 2)
     if labels[4]:  # consolidation: a large dense irregular region
         cy_, cx_ = rng.uniform(-0.3, 0.3), cx + rng.uniform(-0.1, 0.1)
@@ -342,7 +344,7 @@ def cache_dir() -> Path:
 
 def default_scenario(family: str, seed: int = 0, size: int | None = None, **kwargs) -> Path:
     """The embedded default scenario, generated once and cached."""
-    tag = "-".join([family, f"seed{seed}"] + ([f"{size}px"] if size else []) + [f"{k}{v}" for k, v in sorted(kwargs.items())])
+    tag = "-".join([family, GENERATOR_VERSION, f"seed{seed}"] + ([f"{size}px"] if size else []) + [f"{k}{v}" for k, v in sorted(kwargs.items())])
     root = cache_dir() / tag
     if (root / "scenario.yaml").is_file():
         return root
