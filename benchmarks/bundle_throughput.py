@@ -2,7 +2,7 @@
 
 For every bundle in ``bundles/`` this builds the MONAI train workflow exactly as
 ``python -m monai.bundle run --config_file configs/train.json`` does
-(``monai.bundle.ConfigWorkflow``: CacheDataset, DataLoader, random
+(``monai.bundle.ConfigWorkflow``: CacheDataset, ThreadDataLoader, random
 augmentation, SupervisedTrainer with the bundle's handlers -- logging,
 TensorBoard, checkpointing) and times ``train#trainer`` over a fixed number
 of iterations after a warm-up. Side by side, in the same process and on the
@@ -259,7 +259,7 @@ def main(argv=None) -> int:
         "process's CPU time (all its threads: stable on a shared machine, and conservative -- work a background",
         "thread overlaps with the step still counts) and by wall-clock time (what a dedicated machine sees).",
         "*Bundle* = `train#trainer` of `configs/train.json` built by `monai.bundle.ConfigWorkflow` (CacheDataset +",
-        "DataLoader + random augmentation + SupervisedTrainer with the bundle's StatsHandler,",
+        "ThreadDataLoader + random augmentation + SupervisedTrainer with the bundle's StatsHandler,",
         "TensorBoardStatsHandler, EpochSummary, CheckpointSaver). *Plain* = `zero_grad; loss(net(x), y).backward();",
         "step` on the same network, loss, optimizer and batch size, either over tensors preprocessed once and",
         "held in memory (no augmentation: the floor) or over the bundle's own DataLoader (same data, cache and",
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
     lines += [
         "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, device {device}, "
-        f"torch {torch.__version__} ({torch.get_num_threads()} threads), MONAI {monai.__version__}, "
+        f"torch {torch.__version__} ({torch.get_num_threads()} CPU thread(s)), MONAI {monai.__version__}, "
         f"Python {platform.python_version()}.",
         f"Bundle overrides: {overrides or 'none (the committed defaults)'}.",
         f"Load average before / after: {load_before} / {loadavg()} (a shared machine: other jobs ran alongside).",
