@@ -73,8 +73,10 @@ def test_every_job_runs_in_the_simulator(name, job_runs, data):
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     cross = json.loads((run_dir / "cross_site_eval.json").read_text())
     # a site is scored only on the classes it annotates
-    assert cross["site-1"]["undefined"] == ["nodule", "consolidation", "pneumothorax"]
-    assert set(cross["site-2"]["undefined"]) >= {"infiltration", "pneumothorax"}
+    assert set(cross["site-1"]["undefined"]) >= {"nodule", "consolidation", "pneumothorax"}
+    assert set(cross["site-2"]["undefined"]) >= {"infiltration", "consolidation", "pneumothorax"}
+    for site in ("site-1", "site-2"):
+        assert all(cross[site]["per_class"][c]["auroc"] is None for c in cross[site]["undefined"])
     # the global model reloads into the bundle's network and scores on the test split
     metrics = evaluate_global(run_dir, REPO / "bundles" / JOBS[name].bundle, data, "last")
     assert 0.0 <= metrics["auroc"] <= 1.0
