@@ -119,7 +119,7 @@ def write_report(rows, args, out: Path) -> None:
             vals = [r["per_class_auroc"][c] for c in classes]
             lines.append(f"| {r['bundle']} | {r['mode']} | " + " | ".join(f"{v:.3f}" if v is not None else "n/a"
                                                                           for v in vals) + " |")
-    lines += ["", f"torch {torch.__version__} ({torch.get_num_threads()} threads), {os.cpu_count()} CPU cores "
+    lines += ["", f"torch {torch.__version__} ({torch.get_num_threads()} CPU thread(s)), {os.cpu_count()} CPU cores "
               "(shared with other jobs: times are indicative only).", ""]
     text = "\n".join(lines)
     print("\n" + text, flush=True)
