@@ -25,19 +25,14 @@ import numpy as np
 from PIL import Image
 
 from ..profile import SiteProfile, scenario_writer, write_json_atomic, write_site, write_yaml
+from .partition import FEDPSL_CLASSES_6, FEDPSL_SITE_CLASSES_6
 
 FAMILIES = ("cxr", "medmnist", "lesion")
 # Part of the cache key: bump when the images a seed produces change.
 GENERATOR_VERSION = "v2"
 
-CXR_CLASSES = ["infiltration", "effusion", "atelectasis", "nodule", "consolidation", "pneumothorax"]
-# FedPSL Table I: which classes each of the four sites annotates.
-CXR_SITE_CLASSES = [
-    ["infiltration", "effusion", "atelectasis"],
-    ["effusion", "atelectasis", "nodule"],
-    ["atelectasis", "nodule", "consolidation"],
-    ["nodule", "consolidation", "pneumothorax"],
-]
+# FedPSL Table I: the six findings and which of them each of the four sites annotates.
+CXR_CLASSES, CXR_SITE_CLASSES = FEDPSL_CLASSES_6, FEDPSL_SITE_CLASSES_6
 CXR_PREVALENCE = [0.22, 0.2, 0.18, 0.14, 0.1, 0.08]
 
 MEDMNIST_CLASSES = ["disc", "ring", "square", "cross", "pair", "bar", "triangle", "ellipse"]
