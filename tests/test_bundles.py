@@ -52,6 +52,16 @@ def cfg(name, which):
     return str(REPO / "bundles" / name / "configs" / which)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread():
+    """Tiny images gain nothing from intra-op threads; on a shared 2-core machine two OpenMP
+    threads stall whenever another process holds a core. Restored after this module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory):
     root = tmp_path_factory.mktemp("scenarios")
@@ -288,7 +298,7 @@ def test_inference_reads_png_jpeg_and_nifti(trained, tmp_path):
         xy = np.swapaxes(arr, 0, 1)  # PIL rows are y; MONAI's PILReader and NIfTI arrays index x first
         nib.save(nib.Nifti1Image(xy.astype(np.float32), np.eye(4)), str(inputs / f"{f.stem}_n.nii.gz"))
         rgb = np.repeat(arr[..., None], 3, -1) if arr.ndim == 2 else arr
-        Image.fromarray(rgb).save(inputs / f"{f.stem}_j.jpg", quality=95)
+        Image.fromarray(rgb).save(inputs / f"{f.stem}_j.jpg", quality=95, subsampling=0)
     out = tmp_path / "out"
     overrides = {"output_ext": ".nii.gz"} if trained["family"] == "lesion" else {}
     run(config_file=str(exp / "configs" / "inference.json"), meta_file=str(exp / "configs" / "metadata.json"),
