@@ -39,7 +39,7 @@ def _sites(site) -> list | None:
     return [str(s) for s in site]
 
 
-def _bundle_item(item: dict, task: str, labeled_only: bool) -> dict | None:
+def bundle_item(item: dict, task: str, labeled_only: bool) -> dict | None:
     """A validated scenario item -> the ``{"image", "label"}`` the bundle transforms read."""
     if task == "multilabel":
         if labeled_only and all(v < 0 for v in item["label"]):
@@ -97,7 +97,7 @@ def datalist(dataset_dir, site=None, split: str = "training", oracle: bool = Fal
     items = []
     for items_of_site in sources.values():
         for item in items_of_site:
-            out = _bundle_item(item, scenario.task, labeled_only)
+            out = bundle_item(item, scenario.task, labeled_only)
             if out is not None:
                 items.append(out)
     if not items:

@@ -52,7 +52,7 @@ def _loader(items, transform, batch_size, shuffle, seed):
 def _items(site: SiteData, split: str, oracle: bool):
     items = site.oracle()[split] if oracle else getattr(site, split)
     task = site.profile.task
-    return [bundle_data._bundle_item(i, task, labeled_only=False) for i in items]
+    return [bundle_data.bundle_item(i, task, labeled_only=False) for i in items]
 
 
 def setup_site(bundle, dataset_dir, site_name: str, *, batch_size=None, seed=0, device="cpu", oracle=False,
@@ -82,7 +82,7 @@ def test_loader(bundle, dataset_dir, batch_size=64) -> DataLoader:
     scenario = load_scenario(dataset_dir, sites=[], with_test=True)
     parser = read_bundle(bundle, dataset_dir, class_names=list(scenario.classes))
     val_tf = parser.get_parsed_content("validate#preprocessing", instantiate=True)
-    items = [bundle_data._bundle_item(i, scenario.task, labeled_only=False) for i in scenario.test or []]
+    items = [bundle_data.bundle_item(i, scenario.task, labeled_only=False) for i in scenario.test or []]
     if not items:
         raise ValueError(f"{dataset_dir}: the scenario has no test split (test/datalist.json)")
     return _loader(items, val_tf, batch_size, False, 0)
