@@ -62,8 +62,8 @@ class FedLabelsController(BaseFedAvg):
             method_options: the method's named options (checked before the first round).
             key_metric: the validation metric (mean over sites) that picks the best model.
             min_sites: fewest usable updates a round needs to change the global model.
-            resume_from: a previous run's server folder (holding FL_global_model.pt and
-                progress.json): training continues from its last global model and round.
+            resume_from: a previous run's server folder (WS/server/simulate_job: progress.json and
+                app_server/FL_global_model.pt): training continues from its last global model and round.
             seed: initialises the global model (the persistor's own init is unseeded).
         """
         # A crashed site is dropped from the round (min_sites decides if the round counts).
@@ -102,9 +102,10 @@ class FedLabelsController(BaseFedAvg):
         import torch
 
         folder = self.resume_from
-        ckpt, progress = os.path.join(folder, "FL_global_model.pt"), os.path.join(folder, "progress.json")
+        ckpt, progress = os.path.join(folder, "app_server", "FL_global_model.pt"), os.path.join(folder, "progress.json")
         if not (os.path.isfile(ckpt) and os.path.isfile(progress)):
-            self.panic(f"resume_from={folder}: expected FL_global_model.pt and progress.json there")
+            self.panic(f"resume_from={folder}: expected a previous run's server folder with progress.json and "
+                       "app_server/FL_global_model.pt")
             return model, 0, None
         state = torch.load(ckpt, map_location="cpu", weights_only=False)["model"]
         params = {k: np.asarray(v.cpu().numpy() if hasattr(v, "cpu") else v) for k, v in state.items()}
