@@ -317,7 +317,7 @@ def _bn_client(name, seed=0, **kw):
 
 
 def test_fedavg_sends_and_averages_bn_statistics():
-    (c1, n1), (c2, n2) = _bn_client("fedavg_pl", 1), _bn_client("fedavg_pl", 2)
+    (c1, n1), (c2, _) = _bn_client("fedavg_pl", 1), _bn_client("fedavg_pl", 2)
     glob = to_numpy(n1.state_dict())
     u1, u2 = c1.train(glob, 0), c2.train(glob, 0)
     for key in batchnorm_keys(n1):

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from monai.bundle import ConfigParser
 from monai.data import CacheDataset, DataLoader
@@ -124,7 +123,3 @@ def flat_metrics(metrics: dict, prefix="val_") -> dict:
                 out[f"{prefix}{key}/{cls}"] = float(vals[key])
     return out
 
-
-def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed)

@@ -141,11 +141,12 @@ def main(argv=None, here: Path | None = None):
             client.receive(model.params)
             received = evaluate(client.net, setup.val_loader, setup.task, setup.classes, args.device)
             update = client.train(model.params, model.current_round, (model.meta or {}).get("extras"))
-            metrics = {**update.metrics, **flat_metrics(received)}
+            scores = flat_metrics(received)
+            metrics = {**update.metrics, **scores}
             meta = {**update.meta, "n": update.n, "NUM_STEPS_CURRENT_ROUND": update.n}
             flare.send(FLModel(params=inject_fault(args.fault, site, model.current_round, update.weights), metrics=metrics, meta=meta))
             print(f"[{site}] round {model.current_round}: n={update.n} train_loss={update.metrics.get('train_loss', float('nan')):.4f} "
-                  f"received {flat_metrics(received).get('val_auroc', flat_metrics(received).get('val_accuracy'))} "
+                  f"received model: val_auroc={scores.get('val_auroc')} val_accuracy={scores.get('val_accuracy')} "
                   f"({time.time() - t0:.1f}s)", flush=True)
         elif flare.is_evaluate():
             client.receive(model.params)

@@ -10,7 +10,6 @@ All share one server rule: every key averaged by n_k (or unweighted).
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from ..losses import naive_bce, partial_bce
