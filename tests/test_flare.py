@@ -77,6 +77,13 @@ def test_every_job_runs_in_the_simulator(name, job_runs, data):
     assert set(cross["site-2"]["undefined"]) >= {"infiltration", "consolidation", "pneumothorax"}
     for site in ("site-1", "site-2"):
         assert all(cross[site]["per_class"][c]["auroc"] is None for c in cross[site]["undefined"])
+    # best = the model with the best mean site-validation score (last round's or the final one)
+    final = float(np.mean([cross[s]["auroc"] for s in cross if cross[s]["auroc"] is not None]))
+    round0 = recs[1]["mean_val_auroc"]  # round 1's sites scored the model of round 0
+    last_w = torch.load(run_dir / "app_server/FL_global_model.pt", weights_only=False)["model"]
+    best_w = torch.load(run_dir / "app_server/best_FL_global_model.pt", weights_only=False)["model"]
+    same = all(np.array_equal(np.asarray(last_w[k]), np.asarray(best_w[k])) for k in last_w)
+    assert same == (round0 is None or final > round0), (round0, final)
     # the global model reloads into the bundle's network and scores on the test split
     metrics = evaluate_global(run_dir, REPO / "bundles" / JOBS[name].bundle, data, "last")
     assert 0.0 <= metrics["auroc"] <= 1.0

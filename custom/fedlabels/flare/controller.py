@@ -196,7 +196,8 @@ class FedLabelsController(BaseFedAvg):
                 self._save_best(previous)
                 self.info(f"round {rnd}: new best {self.key_metric}={score:.4f} (model of round {rnd - 1})")
             self.save_model(model)
-            previous = model
+            # A snapshot: update_model() changes the FLModel it is given in place.
+            previous = FLModel(params=dict(model.params), params_type=ParamsType.FULL, meta={})
             self._log_round(record, time.time() - t0)
             self._write("progress.json", {"next_round": rnd + 1, "best": best, "method": self.method})
         final = self._cross_site_eval(model)
