@@ -39,11 +39,13 @@ def write_jobs(out, names=None) -> list:
     return written
 
 
-def simulate(job_dir, workspace, sites: int, data=None, threads=None, log=None) -> Path:
+def simulate(job_dir, workspace, sites: int, data=None, threads=None, log=None, timeout=None) -> Path:
     """Run ``nvflare simulator`` on a job folder; returns the server's run folder.
 
     The simulator's exit code does not say whether training finished (it is 0
     when sites die at start-up), so success is the controller's progress file.
+    A site worker that dies while starting leaves the server waiting for ever:
+    ``timeout`` (seconds) bounds the whole run.
     """
     job_dir, workspace = Path(job_dir), Path(workspace)
     env = dict(os.environ)
@@ -55,7 +57,14 @@ def simulate(job_dir, workspace, sites: int, data=None, threads=None, log=None) 
            "-n", str(sites), "-t", str(threads or sites)]
     run_dir = workspace / "server" / "simulate_job"
     with open(log or os.devnull, "w") as out:
-        proc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise RuntimeError(f"simulation of {job_dir.name} did not finish within {timeout} s"
+                               + (f"; see {log}" if log else "")) from None
     progress = run_dir / "progress.json"
     if not progress.is_file():
         hint = f"; see {log}" if log else ""
