@@ -70,9 +70,9 @@ import torch
 from torch.func import functional_call
 
 from ..losses import partial_bce
-from .base import ClientRule, ServerRule, average_keys
+from .base import ClientRule
 from .fedavg import FedAvgServer
-from .surgical import HeadMetaMixin, _optimizer, classwise_head_mean, head_param_keys, meta_vector, resolve_head_name
+from .surgical import HeadMetaMixin, SurgicalServer, _optimizer, meta_vector
 
 
 def pos_weight_from_summary(summary: dict, min_pos: int = 1) -> np.ndarray:
@@ -177,29 +177,20 @@ class FedPSLClient(HeadMetaMixin, ClientRule):
         return float(loss_t.detach())
 
 
-class TDMAServer(ServerRule):
-    """Eq. 9: features by n_k, head row c by n_k^c."""
+class TDMAServer(SurgicalServer):
+    """Eq. 9: features by n_k, head row c by n_k^c (the Surgical server with other weights)."""
 
     def __init__(self, head_name=None, **options):
-        super().__init__(**options)
-        self.head_name = head_name
+        super().__init__(weighted=True, head_name=head_name, **options)
 
-    def aggregate(self, updates, global_weights, round):
-        if not updates:
-            return dict(global_weights)
-        head = resolve_head_name(updates, self.head_name)
-        hkeys = head_param_keys(head, global_weights)
-        features = {k: v for k, v in global_weights.items() if k not in hkeys}
-        out = average_keys(updates, features, [u.n for u in updates])
-        c = np.asarray(global_weights[hkeys[0]]).shape[0]
+    def head_weights(self, updates, c):
         weights = []
         for u in updates:
             n_kc = meta_vector(u, "annotated", c)
             if "labeled_mask" in u.meta:
                 n_kc = n_kc * (meta_vector(u, "labeled_mask", c) > 0)
             weights.append(n_kc)
-        out.update(classwise_head_mean(updates, global_weights, head, weights))
-        return {k: out[k] for k in global_weights}
+        return weights
 
 
 def _register():

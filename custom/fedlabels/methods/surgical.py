@@ -216,11 +216,17 @@ class SurgicalServer(ServerRule):
         head = resolve_head_name(updates, self.head_name)
         hkeys = head_param_keys(head, global_weights)
         features = {k: v for k, v in global_weights.items() if k not in hkeys}
-        out = average_keys(updates, features, [u.n if self.weighted else 1.0 for u in updates])
+        out = average_keys(updates, features, self.feature_weights(updates))
         c = np.asarray(global_weights[hkeys[0]]).shape[0]
-        masks = [meta_vector(u, "labeled_mask", c) > 0 for u in updates]
-        out.update(classwise_head_mean(updates, global_weights, head, masks))
+        out.update(classwise_head_mean(updates, global_weights, head, self.head_weights(updates, c)))
         return {k: out[k] for k in global_weights}
+
+    def feature_weights(self, updates) -> list:
+        return [u.n if self.weighted else 1.0 for u in updates]
+
+    def head_weights(self, updates, c) -> list:
+        """Per site, a weight per class row (Eq. 2: 1 where the site annotates the class)."""
+        return [meta_vector(u, "labeled_mask", c) > 0 for u in updates]
 
 
 def _register():
