@@ -245,7 +245,6 @@ def main(argv=None) -> int:
                 cpu_vs_plain=ratio(plain_s, 1), cpu_vs_loader=ratio(loader_s, 1),
                 wall_vs_plain=ratio(plain_s, 0), wall_vs_loader=ratio(loader_s, 0),
             ))
-            del wf, net, opt
     elapsed = time.perf_counter() - t_all
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
