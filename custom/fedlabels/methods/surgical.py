@@ -35,7 +35,11 @@ Client (``SurgicalClient``)
       ``warmup_epochs`` (paper 15) at ``warmup_lr`` (paper 5e-3) with the
       client's optimizer family (Adam by default). The released code's
       "keep the best validation-loss head" is not done: the client has no
-      validation loader. ``warmup_epochs=0`` disables the warm-up.
+      validation loader. ``warmup_epochs=0`` disables the warm-up. The
+      warm-up assumes a pretrained backbone (the paper's is ImageNet's): on a
+      randomly initialised one it fits the head to random features, and on
+      the embedded cxr scenario it cost pneumothorax (one site's class) about
+      0.2 AUROC (benchmarks/results/partial_label_claim.md).
 
 Paper setup (job configuration, not defaults here): DenseNet121 (ImageNet
 weights via ``init_ckpt``), Adam lr 5e-5, 1 local epoch per round, 150
