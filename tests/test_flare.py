@@ -4,6 +4,8 @@ import dataclasses
 import filecmp
 import json
 import shutil
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import torch
 import yaml
 
 from fedlabels.data.synthetic import generate
-from fedlabels.flare.commands import evaluate_global, simulate, write_jobs
+from fedlabels.flare.commands import LOST_SITE, SiteLostAtStartup, evaluate_global, run_watched, simulate, write_jobs
 from fedlabels.flare.controller import screen_update
 from fedlabels.flare.job import JOBS, REPO, export
 
@@ -30,14 +32,23 @@ def run(spec, tmp_path, data, tag="", **changes):
     spec = dataclasses.replace(spec, **{**TINY, **changes})
     job = export(spec, tmp_path / f"jobs{tag}")
     log = tmp_path / f"{spec.name}{tag}.log"
-    try:
-        return simulate(job, tmp_path / f"ws{tag}", spec.sites, data=data, log=log, timeout=300), log
-    except RuntimeError:
-        # nvflare's simulator occasionally loses a site worker at start-up on a loaded machine
-        # ("Can not find client_script.py" after a comm_error); one retry tells that from a real failure.
-        if "Can not find client_script.py" not in log.read_text():
-            raise
-        return simulate(job, tmp_path / f"ws{tag}", spec.sites, data=data, log=log, timeout=300), log
+    return simulate(job, tmp_path / f"ws{tag}", spec.sites, data=data, log=log, timeout=300), log
+
+
+def test_run_watched_stops_a_run_that_lost_a_site(tmp_path):
+    # The simulator never exits when a site is lost at start-up: the watchdog must stop it at once.
+    script = f"import time; print('starting'); print({LOST_SITE!r}, flush=True); time.sleep(120)"
+    t0 = time.time()
+    with pytest.raises(SiteLostAtStartup, match="lost at start-up"):
+        run_watched([sys.executable, "-c", script], None, tmp_path / "lost.log", poll=0.2)
+    assert time.time() - t0 < 30
+    assert "starting" in (tmp_path / "lost.log").read_text()
+
+
+def test_run_watched_timeout_and_exit_code(tmp_path):
+    with pytest.raises(RuntimeError, match="within 1 s"):
+        run_watched([sys.executable, "-c", "import time; time.sleep(120)"], None, tmp_path / "slow.log", timeout=1, poll=0.2)
+    assert run_watched([sys.executable, "-c", "raise SystemExit(3)"], None, tmp_path / "exit.log", poll=0.2) == 3
 
 
 def rounds(run_dir):

@@ -39,13 +39,57 @@ def write_jobs(out, names=None) -> list:
     return written
 
 
-def simulate(job_dir, workspace, sites: int, data=None, threads=None, log=None, timeout=None) -> Path:
+# What nvflare's simulator logs when a site worker comes up under another
+# site's identity and cannot find its app (seen at start-up with several
+# sites on a busy machine). The server then waits for that site for ever.
+LOST_SITE = "Can not find client_script.py"
+
+
+class SiteLostAtStartup(RuntimeError):
+    """A simulated site never started; the run cannot finish."""
+
+
+def run_watched(cmd, env, log: Path, timeout=None, poll=1.0) -> int:
+    """Run ``cmd`` in its own process group, output appended to ``log``.
+
+    Kills the group and raises ``SiteLostAtStartup`` as soon as the log shows
+    a lost site, ``RuntimeError`` when ``timeout`` seconds pass; otherwise
+    returns the exit code.
+    """
+    start, seen, marker = time.time(), 0, LOST_SITE.encode()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while True:
+                try:
+                    return proc.wait(timeout=poll)
+                except subprocess.TimeoutExpired:
+                    pass
+                with open(log, "rb") as f:  # what was added since the last look (and a marker's length before)
+                    f.seek(max(0, seen - len(marker)))
+                    chunk = f.read()
+                    seen = f.tell()
+                if marker in chunk:
+                    raise SiteLostAtStartup(f"a site worker was lost at start-up ({LOST_SITE!r}); see {log}")
+                if timeout is not None and time.time() - start > timeout:
+                    raise RuntimeError(f"did not finish within {timeout} s; see {log}")
+        except BaseException:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+            raise
+
+
+def simulate(job_dir, workspace, sites: int, data=None, threads=None, log=None, timeout=None,
+             retries=1) -> Path:
     """Run ``nvflare simulator`` on a job folder; returns the server's run folder.
 
     The simulator's exit code does not say whether training finished (it is 0
     when sites die at start-up), so success is the controller's progress file.
-    A site worker that dies while starting leaves the server waiting for ever:
-    ``timeout`` (seconds) bounds the whole run.
+    A site lost at start-up (``LOST_SITE`` in the log) is retried ``retries``
+    times (the simulator empties its workspace when it starts); ``timeout``
+    (seconds) bounds each attempt. The simulator's output goes to ``log``
+    (default: ``WORKSPACE.log`` beside the workspace).
     """
     job_dir, workspace = Path(job_dir), Path(workspace)
     env = dict(os.environ)
@@ -56,24 +100,28 @@ def simulate(job_dir, workspace, sites: int, data=None, threads=None, log=None, 
     cmd = [sys.executable, "-m", "nvflare.cli", "simulator", str(job_dir), "-w", str(workspace),
            "-n", str(sites), "-t", str(threads or sites)]
     run_dir = workspace / "server" / "simulate_job"
-    with open(log or os.devnull, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    log = Path(log) if log else workspace.parent / f"{workspace.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    for attempt in range(retries + 1):
         try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            raise RuntimeError(f"simulation of {job_dir.name} did not finish within {timeout} s"
-                               + (f"; see {log}" if log else "")) from None
+            code = run_watched(cmd, env, log, timeout=timeout)
+            break
+        except SiteLostAtStartup as e:
+            if attempt == retries:
+                raise SiteLostAtStartup(f"simulation of {job_dir.name}: {e}") from None
+            with open(log, "a") as out:
+                out.write(f"\n[fedlabels] a site was lost at start-up; retry {attempt + 1} of {retries}\n\n")
+        except RuntimeError as e:
+            raise RuntimeError(f"simulation of {job_dir.name} {e}") from None
     progress = run_dir / "progress.json"
     if not progress.is_file():
-        hint = f"; see {log}" if log else ""
-        raise RuntimeError(f"simulation of {job_dir.name} did not finish (exit code {proc.returncode}){hint}")
+        raise RuntimeError(f"simulation of {job_dir.name} did not finish (exit code {code}); see {log}")
     info = json.loads(progress.read_text())
     spec = json.loads((job_dir / "app" / "config" / "config_fed_server.json").read_text())
     rounds = spec["workflows"][0]["args"].get("num_rounds")
     if rounds is not None and info["next_round"] < rounds:
-        raise RuntimeError(f"simulation of {job_dir.name} stopped at round {info['next_round']} of {rounds}{'; see ' + str(log) if log else ''}")
+        raise RuntimeError(f"simulation of {job_dir.name} stopped at round {info['next_round']} of {rounds}; see {log}")
     return run_dir
 
 
