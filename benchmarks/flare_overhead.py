@@ -600,8 +600,9 @@ def report(res: dict) -> str:
         "",
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, no GPU, torch {res['versions']['torch']}, "
         f"nvflare {res['versions']['nvflare']}, MONAI {res['versions']['monai']}, Python {platform.python_version()}.",
-        f"Load average (1, 5, 15 min) before / after: {res['load_before']} / {res['load_after']} -- a shared machine: other "
-        "jobs ran alongside, so absolute times are noisy; the runs are back to back, not interleaved.",
+        f"Load average (1, 5, 15 min) before / after: {res['load_before']} / {res['load_after']} (this "
+        "benchmark's own processes count; anything above that is other work on the machine, which makes absolute "
+        "times noisy); the runs are back to back, not interleaved.",
         f"Total benchmark time: {res['elapsed_s']:.0f} s.",
         "",
     ]
