@@ -31,10 +31,8 @@ import torch
 
 from fedlabels.data.synthetic import generate
 from fedlabels.export import bundle_path
-from fedlabels.local import predict, test_loader
-from fedlabels.methods.base import load_weights
-from fedlabels.metrics import multilabel_metrics
-from fedlabels.references import federate, setups
+from fedlabels.local import test_loader
+from fedlabels.references import federate, score, setups
 
 # Row label -> (registered method, options beyond lr/epochs). Surgical's head
 # warm-up is run both ways: it fits the head on the frozen, here randomly
@@ -73,16 +71,10 @@ def main():
             name, extra = METHODS[method]
             st = setups(bundle, data, seed=seed)
             weights = federate(name, st, args.rounds, seed=seed, log=None, lr=args.lr, epochs=args.epochs, **extra)
-            net = next(iter(st.values())).net
-            load_weights(net, weights)
-            probs, labels = predict(net, tests, "multilabel")
-            classes = list(next(iter(st.values())).classes)
-            m = multilabel_metrics(probs, labels, classes)
+            m = score(next(iter(st.values())).net, weights, bundle, data, tests)
             row = {"seed": seed, "method": method, "mean_auroc": m["auroc"], "seconds": time.time() - t0}
-            for c, name in enumerate(classes):
-                row[f"auroc/{name}"] = m["per_class"][name]["auroc"]
-                row[f"bacc/{name}"] = m["per_class"][name]["bacc"]
-                row[f"calib/{name}"] = float(probs[:, c].mean() / labels[:, c].mean())
+            for c, v in m["per_class"].items():
+                row.update({f"auroc/{c}": v["auroc"], f"bacc/{c}": v["bacc"], f"calib/{c}": v["eo_ratio"]})
             rows.append(row)
             print(f"seed {seed} {method:18s} mean AUROC {m['auroc']:.3f} "
                   + " ".join(f"{c}: AUROC {row[f'auroc/{c}']:.3f} BACC {row[f'bacc/{c}']:.3f} "

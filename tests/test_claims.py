@@ -35,8 +35,7 @@ import torch
 from fedlabels.data.synthetic import CXR_CLASSES, CXR_SITE_CLASSES, generate
 from fedlabels.export import bundle_path
 from fedlabels import local
-from fedlabels.methods.base import load_weights
-from fedlabels.references import federate, setups
+from fedlabels.references import federate, score, setups
 
 SINGLE = [c for c in CXR_CLASSES if sum(c in s for s in CXR_SITE_CLASSES) == 1]
 METHODS = ("fedavg", "fedpsl")
@@ -48,7 +47,7 @@ def test_the_scenario_has_single_site_classes():
 
 @pytest.fixture(scope="module", params=[0, 1], ids=lambda s: f"seed{s}")
 def calibration(request, tmp_path_factory):
-    """p̄ / prevalence of each single-site class on the test split, per method."""
+    """Expected/observed ratio (p̄ / prevalence) of each single-site class on the test split, per method."""
     seed = request.param
     data = generate("cxr", tmp_path_factory.mktemp(f"claim{seed}") / "cxr", seed=seed, cases=150, test_cases=600)
     bundle = bundle_path("cxr_resnet18")
@@ -60,11 +59,8 @@ def calibration(request, tmp_path_factory):
         for method in METHODS:
             st = setups(bundle, data, seed=seed)
             weights = federate(method, st, rounds=10, seed=seed, log=None, lr=1e-3, epochs=1)
-            net = st["site-1"].net
-            load_weights(net, weights)
-            probs, labels = local.predict(net, tests, "multilabel")
-            out[method] = {c: float(probs[:, i].mean() / labels[:, i].mean())
-                          for i, c in enumerate(CXR_CLASSES) if c in SINGLE}
+            per_class = score(st["site-1"].net, weights, bundle, data, tests)["per_class"]
+            out[method] = {c: per_class[c]["eo_ratio"] for c in SINGLE}
     finally:
         torch.set_num_threads(threads)
     print(f"seed {seed} p̄/prevalence:", {m: {c: round(v, 2) for c, v in r.items()} for m, r in out.items()})

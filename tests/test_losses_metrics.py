@@ -60,6 +60,9 @@ def test_multilabel_metrics_hand_values_and_undefined():
     assert m["per_class"]["b"]["auroc"] == 1.0 and m["per_class"]["b"]["ap"] == 1.0
     # bacc a at 0.5: TPR = 2/2, TNR = 2/2 -> 1; b: TPR 1/1, TNR 2/2
     assert m["per_class"]["a"]["bacc"] == 1.0
+    # expected / observed, class a: mean prob (0.9+0.4+0.3+0.6)/4 = 0.55 over prevalence 2/4 -> 1.1
+    assert m["per_class"]["a"]["eo_ratio"] == pytest.approx(1.1)
+    assert m["per_class"]["c"]["eo_ratio"] is None
     assert m["per_class"]["c"]["auroc"] is None and m["undefined"] == ["c"]
     assert m["auroc"] == 1.0  # mean over defined classes only, never NaN
     probs2 = np.array([[0.2], [0.6], [0.7], [0.4]])

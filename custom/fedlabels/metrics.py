@@ -17,7 +17,9 @@ def _mean(values) -> float | None:
 
 
 def multilabel_metrics(probs, labels, classes) -> dict:
-    """Per-class AUROC, AP and balanced accuracy (threshold 0.5) plus macro means.
+    """Per-class AUROC, AP, balanced accuracy (threshold 0.5) and expected/observed
+    ratio (mean predicted probability / prevalence: 1 = calibrated on average,
+    below 1 = the class is under-called), plus macro means of the first three.
 
     ``labels`` holds 1/0/-1; -1 entries are left out of that class's metrics.
     """
@@ -28,7 +30,7 @@ def multilabel_metrics(probs, labels, classes) -> dict:
         y, p = labels[keep, c], probs[keep, c]
         npos, nneg = int((y == 1).sum()), int((y == 0).sum())
         if npos == 0 or nneg == 0:
-            per_class[name] = {"auroc": None, "ap": None, "bacc": None, "n_pos": npos, "n_neg": nneg}
+            per_class[name] = {"auroc": None, "ap": None, "bacc": None, "eo_ratio": None, "n_pos": npos, "n_neg": nneg}
             undefined.append(name)
             continue
         pred = p >= 0.5
@@ -38,6 +40,7 @@ def multilabel_metrics(probs, labels, classes) -> dict:
             "auroc": float(roc_auc_score(y, p)),
             "ap": float(average_precision_score(y, p)),
             "bacc": (tpr + tnr) / 2,
+            "eo_ratio": float(p.mean() / y.mean()),
             "n_pos": npos,
             "n_neg": nneg,
         }

@@ -48,21 +48,22 @@ def federate(method: str, site_setups: dict, rounds: int, seed=0, log=print, **o
     return global_weights
 
 
-def score(net, weights, bundle, data) -> dict:
-    """Test-split metrics of ``weights`` loaded into ``net``."""
+def score(net, weights, bundle, data, loader=None) -> dict:
+    """Test-split metrics of ``weights`` loaded into ``net`` (``loader``: a
+    ``test_loader(bundle, data)`` to reuse across calls)."""
     sc = load_scenario(data, sites=[], with_test=False)
     load_weights(net, weights)
-    return evaluate(net, test_loader(bundle, data), sc.task, sc.classes)
+    return evaluate(net, loader or test_loader(bundle, data), sc.task, sc.classes)
 
 
 def local(bundle, data, epochs: int, batch_size=None, seed=0, log=print) -> dict:
     """Each site alone; its model scored on the test split and on every site's validation data."""
     site_setups = setups(bundle, data, batch_size=batch_size, seed=seed)
-    out = {}
+    tests, out = test_loader(bundle, data), {}
     for name, st in site_setups.items():
         client = methods.get("fedavg_pl").make_client(st.net, st.site.profile, st.train_loader, summary=st.site.summary(), epochs=epochs)
         client.train(to_numpy(st.net.state_dict()), 0)
-        out[name] = {"test": score(st.net, to_numpy(st.net.state_dict()), bundle, data),
+        out[name] = {"test": score(st.net, to_numpy(st.net.state_dict()), bundle, data, tests),
                      "sites": {o: evaluate(st.net, ot.val_loader, ot.task, ot.classes) for o, ot in site_setups.items()}}
         if log:
             log(f"[local] {name}: test AUROC {out[name]['test'].get('auroc')}")
