@@ -120,7 +120,7 @@ def write_report(rows, args, out: Path) -> None:
             lines.append(f"| {r['bundle']} | {r['mode']} | " + " | ".join(f"{v:.3f}" if v is not None else "n/a"
                                                                           for v in vals) + " |")
     lines += ["", f"torch {torch.__version__} ({torch.get_num_threads()} CPU thread(s)), {os.cpu_count()} CPU cores "
-              "(shared with other jobs: times are indicative only).", ""]
+              "(times depend on what else the machine runs).", ""]
     text = "\n".join(lines)
     print("\n" + text, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)

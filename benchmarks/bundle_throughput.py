@@ -279,7 +279,7 @@ def main(argv=None) -> int:
         f"torch {torch.__version__} ({torch.get_num_threads()} CPU thread(s)), MONAI {monai.__version__}, "
         f"Python {platform.python_version()}.",
         f"Bundle overrides: {overrides or 'none (the committed defaults)'}.",
-        f"Load average before / after: {load_before} / {loadavg()} (a shared machine: other jobs ran alongside).",
+        f"Load average before / after: {load_before} / {loadavg()} (anything above this benchmark's own load is other work on the machine).",
         f"Total benchmark time: {elapsed:.0f} s.",
         "",
     ]
