@@ -17,9 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from .profile import ScenarioError
+
+# Subcommands defined in flare/commands.py. Registering them imports NVIDIA FLARE
+# and MONAI (seconds), so the parser only does it when one of them (or the help
+# listing) is asked for.
+FLARE_COMMANDS = ("jobs", "simulate", "report", "demo")
+
+# Subcommands that read a scenario folder given as --data: main() validates it
+# with profile.load_scenario before the command runs, so a malformed scenario
+# is one ScenarioError line before any model code is imported or trained.
+SCENARIO_COMMANDS = ("train", "evaluate", "baseline", "simulate", "report")
 
 
 def _say(msg: str) -> None:
@@ -96,7 +107,8 @@ def cmd_methods(args):
         _say(f"{name:14s} {', '.join(m.tasks):28s} {m.doc}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(flare: bool = True) -> argparse.ArgumentParser:
+    """The ``fedlabels`` parser; ``flare=False`` leaves out the FLARE subcommands (imports nothing heavy)."""
     p = argparse.ArgumentParser(prog="fedlabels", description="Federated learning when every hospital labels differently.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -155,21 +167,63 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("methods", help="list the registered federated methods")
     s.set_defaults(fn=cmd_methods)
 
-    from .flare import commands as flare_commands
+    if flare:
+        from .flare import commands as flare_commands
 
-    flare_commands.add_parsers(sub)
+        flare_commands.add_parsers(sub)
     return p
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> set:
+    return {name for a in parser._actions if isinstance(a, argparse._SubParsersAction) for name in a.choices}
+
+
+def _needs_flare(argv) -> bool:
+    """Whether parsing ``argv`` needs the FLARE subcommands: yes unless it names another subcommand."""
+    return not argv or argv[0] not in _subcommands(build_parser(flare=False))
+
+
+def check_scenario(args) -> None:
+    """Validate the scenario of a command that reads one (``--data``); raises ``ScenarioError``."""
+    data = getattr(args, "data", None)
+    if args.command in SCENARIO_COMMANDS and data:
+        from .profile import load_scenario
+
+        load_scenario(data)
+
+
+def _scenario_error(exc: BaseException) -> ScenarioError | None:
+    """The ScenarioError behind ``exc``, also when a library wrapped it (MONAI's ConfigParser does)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, ScenarioError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _one_line(text: str) -> str:
+    return re.sub(r"\s*\n\s*", " ", str(text)).strip()
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(flare=_needs_flare(argv)).parse_args(argv)
     try:
+        check_scenario(args)
         args.fn(args)
     except ScenarioError as e:
-        print(f"fedlabels: invalid scenario: {e}", file=sys.stderr)
+        print(f"fedlabels: invalid scenario: {_one_line(e)}", file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as e:
-        print(f"fedlabels: {e}", file=sys.stderr)
+        print(f"fedlabels: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        cause = _scenario_error(e)
+        if cause is None:
+            raise
+        print(f"fedlabels: invalid scenario: {_one_line(cause)}", file=sys.stderr)
         return 2
     return 0
 

@@ -72,6 +72,18 @@ def _workflow(bundle: Path, configs: list, workflow_type, **overrides):
     )
 
 
+def check_scenario(data) -> None:
+    """Validate scenario folder ``data`` (``profile.load_scenario``) before MONAI parses a config.
+
+    The bundles read the scenario inside ``ConfigExpression``s, and MONAI's
+    ConfigParser wraps whatever they raise in a long chained traceback; checked
+    here, a malformed scenario is one ``ScenarioError`` naming file and field.
+    """
+    from .profile import load_scenario
+
+    load_scenario(data)
+
+
 def _clean(overrides: dict) -> dict:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items() if v is not None}
 
@@ -91,6 +103,7 @@ def train_bundle(bundle, data, out, site=None, epochs: int | None = None, oracle
     key metric was never defined. ``out/train_summary.json`` records the run.
     """
     bundle = bundle_path(bundle)
+    check_scenario(data)
     out = Path(out).resolve()
     ckpt_dir = out / "models"
     args = _clean({
@@ -170,6 +183,7 @@ def evaluate_bundle(bundle, ckpt, data, out=None, split: str = "test", site=None
     (``out`` defaults to a temporary folder that is removed).
     """
     bundle = bundle_path(bundle)
+    check_scenario(data)
     given = ckpt
     ckpt = _as_state_dict_file(ckpt)
     converted = not (isinstance(given, (str, os.PathLike)) and Path(given).resolve() == ckpt)
@@ -427,4 +441,4 @@ def check_torchscript(bundle, atol: float = 1e-4, rtol: float = 1e-4) -> float:
 
 
 __all__ = ["train_bundle", "evaluate_bundle", "export_bundle", "load_state_dict", "torch_load", "check_torchscript", "bundle_path",
-           "bundles_dir"]
+           "bundles_dir", "check_scenario"]

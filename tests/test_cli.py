@@ -1,0 +1,144 @@
+"""The ``fedlabels`` command on a malformed scenario: one line, no traceback, no training.
+
+Every command that reads a scenario folder validates it with
+``profile.load_scenario`` before any model code runs. The commands run as
+subprocesses, all at once (they stop at validation, so this takes seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedlabels import cli
+from fedlabels.data.synthetic import generate
+from fedlabels.profile import ScenarioError
+
+REPO = Path(__file__).resolve().parents[1]
+BAD_FILE = str(Path("site-2") / "datalist.json")
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory):
+    """A valid scenario, one whose site-2 has a label list one entry short, one with unparsable YAML."""
+    root = tmp_path_factory.mktemp("cli")
+    good = generate("cxr", root / "good", seed=0, cases=8, test_cases=4)
+    short = root / "short-label"
+    shutil.copytree(good, short)
+    path = short / "site-2" / "datalist.json"
+    datalist = json.loads(path.read_text())
+    datalist["training"][0]["label"] = datalist["training"][0]["label"][:-1]
+    path.write_text(json.dumps(datalist))
+    bad_yaml = root / "bad-yaml"
+    shutil.copytree(good, bad_yaml)
+    (bad_yaml / "site-3" / "profile.yaml").write_text("site: site-3\nannotated: [atelectasis, nodule\ntask: multilabel\n")
+    return {"root": root, "good": good, "short": short, "yaml": bad_yaml}
+
+
+def _commands(root: Path, data: Path) -> dict:
+    job = sorted(p.name for p in (REPO / "nvflare_jobs").iterdir() if (p / "job.py").is_file())[0]
+    return {
+        "train": ["train", "--bundle", "cxr_resnet18", "--data", data, "--out", root / "train-out"],
+        "train-site": ["train", "--bundle", "cxr_resnet18", "--data", data, "--site", "site-1", "--out", root / "train-site-out"],
+        "evaluate": ["evaluate", "--bundle", "cxr_resnet18", "--ckpt", root / "no-such.pt", "--data", data],
+        "baseline-local": ["baseline", "local", "--bundle", "cxr_resnet18", "--data", data, "--epochs", "1"],
+        "baseline-centralized": ["baseline", "centralized", "--bundle", "cxr_resnet18", "--data", data, "--epochs", "1"],
+        "baseline-oracle": ["baseline", "oracle", "--bundle", "cxr_resnet18", "--data", data, "--epochs", "1"],
+        "simulate": ["simulate", job, "--data", data, "-n", "4", "--rounds", "1", "-w", root / "simulate-ws"],
+        "report": ["report", f"x={root / 'no-run'}", "--bundle", "cxr_resnet18", "--data", data],
+        "validate": ["validate", data],
+    }
+
+
+def _launch(argvs: dict) -> dict:
+    """Run ``python -m fedlabels.cli ARGV`` for every entry at once; name -> (rc, stdout, stderr)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {
+        name: subprocess.Popen([sys.executable, "-m", "fedlabels.cli", *map(str, argv)], cwd=REPO, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, argv in argvs.items()
+    }
+    results = {}
+    for name, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        results[name] = (proc.returncode, out, err)
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(scenarios):
+    root = scenarios["root"]
+    argvs = {f"short/{k}": v for k, v in _commands(root / "short-runs", scenarios["short"]).items()}
+    argvs["yaml/train"] = _commands(root / "yaml-runs", scenarios["yaml"])["train"]
+    return _launch(argvs)
+
+
+def _one_error_line(result) -> str:
+    rc, out, err = result
+    assert rc != 0, (out, err)
+    assert "Traceback" not in out + err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", list(_commands(Path("x"), Path("x"))))
+def test_malformed_scenario_is_one_line_naming_file_and_field(command, runs, scenarios):
+    line = _one_error_line(runs[f"short/{command}"])
+    assert line.startswith("fedlabels: invalid scenario: ")
+    assert str(scenarios["short"] / BAD_FILE) in line
+    assert "item training[0]" in line and "field 'label'" in line and "expected a list of 6 entries" in line
+    rc, out, _ = runs[f"short/{command}"]
+    assert rc == 2 and "checkpoint" not in out
+    assert not (scenarios["root"] / "short-runs").exists(), "a command wrote output before failing"
+
+
+def test_multiline_yaml_error_is_printed_on_one_line(runs, scenarios):
+    line = _one_error_line(runs["yaml/train"])
+    assert str(scenarios["yaml"] / "site-3" / "profile.yaml") in line and "not valid YAML" in line
+
+
+def test_check_scenario_only_for_commands_with_data(scenarios):
+    parse = lambda *a: cli.build_parser(flare=False).parse_args([str(x) for x in a])  # noqa: E731
+    with pytest.raises(ScenarioError, match="field 'label'"):
+        cli.check_scenario(parse("train", "--bundle", "b", "--data", scenarios["short"], "--out", "o"))
+    cli.check_scenario(parse("train", "--bundle", "b", "--data", scenarios["good"], "--out", "o"))
+    cli.check_scenario(parse("export", "--bundle", "b", "--ckpt", "c", "--out", "o"))  # reads no scenario
+
+
+def test_flare_commands_are_registered_only_when_needed():
+    assert cli._needs_flare([]) and cli._needs_flare(["--help"]) and cli._needs_flare(["simulate", "x"])
+    assert not cli._needs_flare(["train", "--data", "d"]) and not cli._needs_flare(["validate", "d"])
+    light = cli.build_parser(flare=False)
+    choices = next(a for a in light._actions if a.dest == "command").choices
+    assert "train" in choices and not set(cli.FLARE_COMMANDS) & set(choices)
+
+
+def test_scenario_error_wrapped_by_a_library_is_found():
+    inner = ScenarioError("site-2/datalist.json", "no labeled cases", field="training")
+    try:
+        try:
+            raise inner
+        except ScenarioError as e:
+            raise RuntimeError("Failed to evaluate ConfigExpression") from e
+    except RuntimeError as outer:
+        assert cli._scenario_error(outer) is inner
+    assert cli._scenario_error(RuntimeError("unrelated")) is None
+
+
+def test_train_bundle_validates_before_monai(scenarios, tmp_path):
+    from fedlabels.export import train_bundle
+
+    with pytest.raises(ScenarioError, match="field 'label'"):
+        train_bundle("cxr_resnet18", scenarios["short"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
