@@ -31,7 +31,7 @@ import torch
 
 from fedlabels.data.synthetic import generate
 from fedlabels.export import bundle_path
-from fedlabels.local import test_loader
+from fedlabels.site import test_loader
 from fedlabels.references import federate, score, setups
 
 # Row label -> (registered method, options beyond lr/epochs). Surgical's head
@@ -70,7 +70,8 @@ def main():
             t0 = time.time()
             name, extra = METHODS[method]
             st = setups(bundle, data, seed=seed)
-            weights = federate(name, st, args.rounds, seed=seed, log=None, lr=args.lr, epochs=args.epochs, **extra)
+            weights = federate(name, st, args.rounds, seed=seed, log=None,
+                               client_options={"lr": args.lr, "epochs": args.epochs, **extra})["last"]
             m = score(next(iter(st.values())).net, weights, bundle, data, tests)
             row = {"seed": seed, "method": method, "mean_auroc": m["auroc"], "seconds": time.time() - t0}
             for c, v in m["per_class"].items():

@@ -34,7 +34,7 @@ import torch
 
 from fedlabels.data.synthetic import CXR_CLASSES, CXR_SITE_CLASSES, generate
 from fedlabels.export import bundle_path
-from fedlabels import local
+from fedlabels.site import test_loader
 from fedlabels.references import federate, score, setups
 
 SINGLE = [c for c in CXR_CLASSES if sum(c in s for s in CXR_SITE_CLASSES) == 1]
@@ -51,14 +51,14 @@ def calibration(request, tmp_path_factory):
     seed = request.param
     data = generate("cxr", tmp_path_factory.mktemp(f"claim{seed}") / "cxr", seed=seed, cases=150, test_cases=600)
     bundle = bundle_path("cxr_resnet18")
-    tests = local.test_loader(bundle, data)
+    tests = test_loader(bundle, data)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     out = {}
     try:
         for method in METHODS:
             st = setups(bundle, data, seed=seed)
-            weights = federate(method, st, rounds=10, seed=seed, log=None, lr=1e-3, epochs=1)
+            weights = federate(method, st, rounds=10, seed=seed, log=None, client_options={"lr": 1e-3, "epochs": 1})["last"]
             per_class = score(st["site-1"].net, weights, bundle, data, tests)["per_class"]
             out[method] = {c: per_class[c]["eo_ratio"] for c in SINGLE}
     finally:

@@ -14,7 +14,7 @@ import yaml
 
 from fedlabels.data.synthetic import generate
 from fedlabels.flare.commands import LOST_SITE, SiteLostAtStartup, evaluate_global, run_watched, simulate, write_jobs
-from fedlabels.flare.controller import screen_update
+from fedlabels import references
 from fedlabels.flare.job import JOBS, REPO, export
 
 TINY = {"rounds": 2, "sites": 2, "batch_size": 8}
@@ -33,6 +33,11 @@ def run(spec, tmp_path, data, tag="", **changes):
     job = export(spec, tmp_path / f"jobs{tag}")
     log = tmp_path / f"{spec.name}{tag}.log"
     return simulate(job, tmp_path / f"ws{tag}", spec.sites, data=data, log=log, timeout=300), log
+
+
+def weights(run_dir, name="FL_global_model.pt"):
+    state = torch.load(run_dir / "app_server" / name, weights_only=False)["model"]
+    return {k: np.asarray(v) for k, v in state.items()}
 
 
 def test_run_watched_stops_a_run_that_lost_a_site(tmp_path):
@@ -84,7 +89,7 @@ def test_every_job_runs_in_the_simulator(name, job_runs, data):
     run_dir, log = job_runs(name)
     recs = rounds(run_dir)
     assert [r["round"] for r in recs] == [0, 1]
-    assert sorted(recs[-1]["sites"]) == ["site-1", "site-2"] and not recs[-1]["dropped"]
+    assert sorted(recs[-1]["sites"]) == ["site-1", "site-2"] and not recs[-1]["dropped"] and recs[-1]["aggregated"]
     assert all(np.isfinite(r["sites"][s]["train_loss"]) for r in recs for s in r["sites"])
     for f in ("FL_global_model.pt", "best_FL_global_model.pt"):
         assert (run_dir / "app_server" / f).is_file()
@@ -95,13 +100,13 @@ def test_every_job_runs_in_the_simulator(name, job_runs, data):
     assert set(cross["site-2"]["undefined"]) >= {"infiltration", "consolidation", "pneumothorax"}
     for site in ("site-1", "site-2"):
         assert all(cross[site]["per_class"][c]["auroc"] is None for c in cross[site]["undefined"])
-    # best = the model with the best mean site-validation score (last round's or the final one)
+    # best = the model with the best mean site-validation score: one the sites received
+    # at the start of a round (round r scores the model of round r-1), or the final one
     final = float(np.mean([cross[s]["auroc"] for s in cross if cross[s]["auroc"] is not None]))
-    round0 = recs[1]["mean_val_auroc"]  # round 1's sites scored the model of round 0
-    last_w = torch.load(run_dir / "app_server/FL_global_model.pt", weights_only=False)["model"]
-    best_w = torch.load(run_dir / "app_server/best_FL_global_model.pt", weights_only=False)["model"]
-    same = all(np.array_equal(np.asarray(last_w[k]), np.asarray(best_w[k])) for k in last_w)
-    assert same == (round0 is None or final > round0), (round0, final)
+    received = [r["mean_val_auroc"] for r in recs if r["mean_val_auroc"] is not None]
+    last_w, best_w = weights(run_dir), weights(run_dir, "best_FL_global_model.pt")
+    same = all(np.array_equal(last_w[k], best_w[k]) for k in last_w)
+    assert same == (not received or final > max(received)), (received, final)
     # the global model reloads into the bundle's network and scores on the test split
     metrics = evaluate_global(run_dir, REPO / "bundles" / JOBS[name].bundle, data, "last")
     assert 0.0 <= metrics["auroc"] <= 1.0
@@ -112,20 +117,44 @@ def test_same_seed_same_metrics(tmp_path, data, job_runs):
     b, _ = run(JOBS["fedavg_cxr"], tmp_path, data, "b")
     strip = lambda recs: [{k: v for k, v in r.items() if k != "seconds"} for r in recs]  # noqa: E731
     assert strip(rounds(a)) == strip(rounds(b))
-    wa = torch.load(a / "app_server/FL_global_model.pt", weights_only=False)["model"]
-    wb = torch.load(b / "app_server/FL_global_model.pt", weights_only=False)["model"]
-    assert all(np.array_equal(np.asarray(wa[k]), np.asarray(wb[k])) for k in wa)
+    wa, wb = weights(a), weights(b)
+    assert all(np.array_equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("name", ["fedavg_cxr", "surgical_cxr"])
+def test_flare_and_in_process_engine_give_the_same_weights(name, job_runs, data):
+    """The controller and the in-process loop run the same engine: same global weights (1e-6)."""
+    run_dir, _ = job_runs(name)
+    spec = JOBS[name]
+    setups = references.setups(REPO / "bundles" / spec.bundle, data, sites=["site-1", "site-2"],
+                               batch_size=TINY["batch_size"], seed=spec.seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each simulated site (2 sites on 2 cores)
+    try:
+        out = references.federate(spec.method, setups, TINY["rounds"], seed=spec.seed, client_options=spec.client, log=None)
+    finally:
+        torch.set_num_threads(threads)
+    flare_w = weights(run_dir)
+    assert set(flare_w) == set(out["last"])
+    for k, v in out["last"].items():
+        np.testing.assert_allclose(flare_w[k], v, rtol=0, atol=1e-6, err_msg=k)
 
 
 def test_bad_updates_and_crashes_are_dropped_and_rounds_complete(tmp_path, data):
-    faults = ["site-2:keys:0", "site-2:nan:1", "site-3:shape:1", "site-4:crash:1"]
+    faults = ["site-2:keys:0", "site-3:no_n:0", "site-2:nan:1", "site-3:shape:1", "site-4:crash:1"]
     run_dir, log = run(JOBS["fedavg_pl_cxr"], tmp_path, data, sites=4, faults=faults)
     recs = rounds(run_dir)
-    assert recs[0]["dropped"] == ["site-2"] and sorted(recs[0]["sites"]) == ["site-1", "site-3", "site-4"]
-    assert sorted(recs[1]["sites"]) == ["site-1"]  # the round completes with the one good update
+    assert sorted(recs[0]["dropped"]) == ["site-2", "site-3"] and recs[0]["aggregated"]
+    assert "case count" in recs[0]["dropped"]["site-3"]  # never weighted 1
+    assert sorted(recs[1]["dropped"]) == ["site-2", "site-3", "site-4"] and recs[1]["aggregated"]
+    # a dropped site still reports its metrics (its score of the received model counts for the
+    # best model, so the score averages the same sites every round; tests/test_engine.py)
+    assert sorted(recs[0]["sites"]) == ["site-1", "site-2", "site-3", "site-4"]
+    assert set(recs[0]["sites"]["site-2"]) == set(recs[0]["sites"]["site-1"])
     text = log.read_text()
-    for line in ("round 0 site-2: update dropped: unknown keys", "round 1 site-2: update dropped: non-finite values",
-                 "round 1 site-3: update dropped: shape of", "fault drill: site-4 crashes in round 1"):
+    for line in ("round 0 site-2: update dropped: unknown keys", "round 0 site-3: update dropped: no case count",
+                 "round 1 site-2: update dropped: non-finite values", "round 1 site-3: update dropped: shape of",
+                 "fault drill: site-4 crashes in round 1"):
         assert line in text
     last = torch.load(run_dir / "app_server/FL_global_model.pt", weights_only=False)["model"]
     assert all(np.isfinite(np.asarray(v, dtype=np.float64)).all() for v in last.values())
@@ -149,20 +178,40 @@ def test_bad_site_profile_stops_the_job_before_training(breakage, message, tmp_p
     assert "round 0 site-" not in text  # no round was trained
 
 
-def test_resume_continues_from_last_global_model(tmp_path, data, job_runs):
-    first, _ = job_runs("fedavg_pl_cxr")
+def test_resume_is_exact(tmp_path, data, job_runs, monkeypatch):
+    """fedbn (site state: its own batch norm and optimizer) 2 rounds + resume + 2 rounds = 4 rounds."""
+    first, _ = job_runs("fedbn_cxr")
     saved = tmp_path / "saved"
     shutil.copytree(first, saved)
-    second, log = run(JOBS["fedavg_pl_cxr"], tmp_path, data, "2", rounds=3, resume_from=str(saved))
-    assert [r["round"] for r in rounds(second)] == [2]
-    assert "resuming from" in log.read_text()
-    assert json.loads((second / "progress.json").read_text())["next_round"] == 3
+    # the sites' saved state lies beside the first run's workspace (fedlabels simulate's default)
+    monkeypatch.setenv("FEDLABELS_STATE", str(first.parents[2] / "ws.state"))
+    resumed, log = run(JOBS["fedbn_cxr"], tmp_path, data, "2", rounds=4, resume_from=str(saved))
+    assert [r["round"] for r in rounds(resumed)] == [2, 3]
+    text = log.read_text()
+    assert "resuming from" in text and "site-1] resumed its state" in text
+    assert json.loads((resumed / "progress.json").read_text())["next_round"] == 4
+    assert (resumed / "app_server" / "best_FL_global_model.pt").is_file()
+    monkeypatch.delenv("FEDLABELS_STATE")
+    straight, _ = run(JOBS["fedbn_cxr"], tmp_path, data, "4", rounds=4)
+    a, b = weights(resumed), weights(straight)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-6, err_msg=k)
 
 
-def test_screen_update():
-    ref = {"a": np.zeros((2, 2), np.float32), "n": np.array(3)}
-    assert screen_update({"a": np.ones((2, 2), np.float32)}, ref) is None
-    assert "non-finite" in screen_update({"a": np.full((2, 2), np.inf, np.float32)}, ref)
-    assert "shape" in screen_update({"a": np.ones(4, np.float32)}, ref)
-    assert "unknown keys" in screen_update({"b": np.ones(1)}, ref)
-    assert screen_update({}, ref) == "empty update"
+def test_a_run_that_never_aggregates_fails_with_the_reason(tmp_path, data):
+    faults = [f"site-{s}:nan:{r}" for s in (1, 2) for r in (0, 1)]
+    with pytest.raises(RuntimeError, match="no round aggregated"):
+        run(JOBS["fedavg_cxr"], tmp_path, data, faults=faults)
+
+
+def test_one_configuration_reaches_server_and_sites(tmp_path, data):
+    """JSON keeps 5e-05 a float at every site; a network override reaches the server's
+    persistor and every site (or the sites' updates would not match the global keys)."""
+    spec = dataclasses.replace(JOBS["fedavg_cxr"], client={"lr": 5e-05, "epochs": 1}, network={"hidden": 16})
+    run_dir, log = run(spec, tmp_path, data)
+    text = log.read_text()
+    assert text.count("'lr': 5e-05") >= 2 and "'lr': '5e-05'" not in text
+    w = weights(run_dir)
+    hidden = [k for k in w if k.startswith("class_layers.") and w[k].shape[:1] == (16,)]
+    assert hidden, sorted(w)[-6:]
+    assert all(not r["dropped"] and r["aggregated"] for r in rounds(run_dir))

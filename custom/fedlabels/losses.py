@@ -6,20 +6,30 @@ Label convention (profile.py): multi-label targets hold 1, 0, or -1 for
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 
-def pos_weights(labels: torch.Tensor, min_pos: int = 1) -> torch.Tensor:
-    """Per-class N_neg / N_pos over the cases annotated for that class.
+def pos_weight_from_counts(annotated, positives, min_pos: int = 1) -> np.ndarray:
+    """The one positive-weight rule: per class N_neg / N_pos over the cases annotated for it.
 
-    Classes with fewer than ``min_pos`` positives (or not annotated) get 1.
+    ``annotated`` / ``positives`` are per-class counts (a label summary's
+    ``annotated`` and ``positives``). Classes with fewer than ``min_pos``
+    positives, not annotated, or without negatives get 1.
     """
+    annotated = np.asarray(annotated, dtype=np.float64)
+    pos = np.asarray(positives, dtype=np.float64)
+    neg = annotated - pos
+    w = np.where(pos >= min_pos, neg / np.maximum(pos, 1), 1.0)
+    return np.where(w > 0, w, 1.0).astype(np.float32)
+
+
+def pos_weights(labels: torch.Tensor, min_pos: int = 1) -> torch.Tensor:
+    """``pos_weight_from_counts`` over a label matrix (-1 = not annotated)."""
     labels = torch.as_tensor(labels)
-    pos = (labels == 1).sum(0).float()
-    neg = (labels == 0).sum(0).float()
-    w = torch.where(pos >= min_pos, neg / pos.clamp(min=1), torch.ones_like(pos))
-    return torch.where(w > 0, w, torch.ones_like(w))
+    w = pos_weight_from_counts((labels >= 0).sum(0).numpy(), (labels == 1).sum(0).numpy(), min_pos)
+    return torch.as_tensor(w)
 
 
 def partial_bce(logits: torch.Tensor, target: torch.Tensor, pos_weight: torch.Tensor | None = None,

@@ -142,6 +142,9 @@ def label_summary(profile: SiteProfile, items: list) -> dict:
                 annotated += 1
     return {
         "site": profile.site,
+        "task": profile.task,
+        "supervision": profile.supervision,
+        "labeled": bool(annotated.any()),
         "cases": len(items),
         "annotated": annotated.tolist(),
         "positives": positives.tolist(),
@@ -380,14 +383,19 @@ def format_summary(scenario: Scenario) -> str:
 # ---------------------------------------------------------------- writing
 
 
-def write_json_atomic(path, data) -> None:
-    """Write JSON to a temporary name in the same folder, then rename."""
+def write_atomic(path, data: bytes) -> None:
+    """Write bytes to a temporary name in the same folder, then rename: never half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
     os.replace(tmp, path)
+
+
+def write_json_atomic(path, data) -> None:
+    """Write JSON atomically (``write_atomic``)."""
+    write_atomic(path, json.dumps(data, indent=1).encode())
 
 
 def write_yaml(path, data) -> None:

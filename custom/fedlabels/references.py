@@ -16,36 +16,62 @@ import torch
 from torch.utils.data import ConcatDataset
 
 from . import methods
-from .local import SiteSetup, evaluate, setup_site, test_loader
-from .methods.base import load_weights, to_numpy
+from .config import KEY_METRICS
+from .engine import RoundEngine
+from .methods.base import SiteContext, load_weights, to_numpy
+from .site import SiteSetup, evaluate, setup_site, test_loader, train_task
 from .nets import rebuild
 from .profile import SiteProfile, label_summary, load_scenario
 
 
 def setups(bundle, data, sites=None, batch_size=None, seed=0, oracle=False, network_overrides=None) -> dict:
     names = sites or list(load_scenario(data, check_files=False, with_test=False).sites)
-    return {s: setup_site(bundle, data, s, batch_size=batch_size, seed=seed + i, oracle=oracle,
-                          network_overrides=network_overrides) for i, s in enumerate(names)}
+    return {s: setup_site(bundle, data, s, batch_size=batch_size, seed=seed, oracle=oracle,
+                          network_overrides=network_overrides) for s in names}
 
 
-def federate(method: str, site_setups: dict, rounds: int, seed=0, log=print, **options) -> dict:
-    """Run ``rounds`` of a method in-process; returns the final global weights."""
+def federate(method: str, site_setups: dict, rounds: int, seed=0, log=print, client_options=None,
+             server_options=None, key_metric=None, min_sites=1, on_round=None) -> dict:
+    """Run ``rounds`` of a method in-process through the round engine (``fedlabels.engine``),
+    the same engine the FLARE controller runs.
+
+    Returns {"last": weights, "best": weights (best mean site-validation score
+    of the received model), "records": per-round records}. ``on_round(record,
+    weights)`` is called after each round.
+    """
     m = methods.get(method)
-    server = m.make_server(**options)
-    clients = {s: m.make_client(st.net, st.site.profile, st.train_loader, summary=st.site.summary(), **options)
-               for s, st in site_setups.items()}
+    first = next(iter(site_setups.values()))
+    key_metric = key_metric or KEY_METRICS[first.task]
+    server = m.make_server(**(server_options or {}))
+    clients = {s: m.make_client(st.net, st.context(), **(client_options or {})) for s, st in site_setups.items()}
+    server.setup({s: st.site.summary() for s, st in site_setups.items()})
+
+    def send(step, targets, weights, rnd, extras):
+        return [train_task(clients[s], site_setups[s], weights, rnd, extras) for s in targets]
+
+    def say(level, msg):
+        if log:
+            log(f"[{method}] {msg}")
+
+    engine = RoundEngine(server, send, key_metric=key_metric, min_sites=min_sites, log=say)
     torch.manual_seed(seed)
-    global_weights = to_numpy(rebuild(next(iter(site_setups.values())).net).state_dict())
+    weights = to_numpy(rebuild(first.net).state_dict())
+    best, records = dict(weights), []
     for rnd in range(rounds):
         t0 = time.time()
-        groups = server.plan(rnd, list(clients)) if hasattr(server, "plan") else [list(clients)]
-        for group in groups:
-            updates = [clients[s].train(global_weights, rnd, server.extras(rnd)) for s in group]
-            global_weights = server.aggregate(updates, global_weights, rnd)
-        if log:
-            losses = " ".join(f"{u.site}={u.metrics.get('train_loss', float('nan')):.3f}" for u in updates)
-            log(f"[{method}] round {rnd}: {losses} ({time.time() - t0:.1f}s)")
-    return global_weights
+        received = weights
+        weights, record, is_best = engine.run_round(rnd, weights, list(clients))
+        if is_best:
+            best = received
+        record["seconds"] = time.time() - t0
+        records.append(record)
+        say("info", f"round {rnd}: " + " ".join(f"{s}={m.get('train_loss', float('nan')):.3f}"
+                                                for s, m in sorted(record["sites"].items()))
+            + f" mean {key_metric}={record[f'mean_{key_metric}']} ({record['seconds']:.1f}s)")
+        if on_round:
+            on_round(record, weights)
+    engine.check_progress()
+    return {"last": weights, "best": best, "records": records}
 
 
 def score(net, weights, bundle, data, loader=None) -> dict:
@@ -56,12 +82,12 @@ def score(net, weights, bundle, data, loader=None) -> dict:
     return evaluate(net, loader or test_loader(bundle, data), sc.task, sc.classes)
 
 
-def local(bundle, data, epochs: int, batch_size=None, seed=0, log=print) -> dict:
+def local(bundle, data, epochs: int, batch_size=None, seed=0, log=print, client_options=None) -> dict:
     """Each site alone; its model scored on the test split and on every site's validation data."""
     site_setups = setups(bundle, data, batch_size=batch_size, seed=seed)
     tests, out = test_loader(bundle, data), {}
     for name, st in site_setups.items():
-        client = methods.get("fedavg_pl").make_client(st.net, st.site.profile, st.train_loader, summary=st.site.summary(), epochs=epochs)
+        client = methods.get("fedavg_pl").make_client(st.net, st.context(), epochs=epochs, **(client_options or {}))
         client.train(to_numpy(st.net.state_dict()), 0)
         out[name] = {"test": score(st.net, to_numpy(st.net.state_dict()), bundle, data, tests),
                      "sites": {o: evaluate(st.net, ot.val_loader, ot.task, ot.classes) for o, ot in site_setups.items()}}
@@ -70,7 +96,7 @@ def local(bundle, data, epochs: int, batch_size=None, seed=0, log=print) -> dict
     return out
 
 
-def pooled(bundle, data, epochs: int, oracle: bool, batch_size=None, seed=0) -> dict:
+def pooled(bundle, data, epochs: int, oracle: bool, batch_size=None, seed=0, client_options=None) -> dict:
     """Centralized (missing labels as negatives) or oracle (full labels) training on all sites' cases."""
     site_setups = setups(bundle, data, batch_size=batch_size, seed=seed, oracle=oracle)
     first = next(iter(site_setups.values()))
@@ -81,7 +107,8 @@ def pooled(bundle, data, epochs: int, oracle: bool, batch_size=None, seed=0) -> 
     items = [i for st in site_setups.values() for i in (st.site.oracle()["training"] if oracle else st.site.training)]
     profile = SiteProfile("pooled", sc.task, sc.classes, sc.classes, "image")
     name = "fedavg_pl" if oracle else "fedavg"  # fedavg = missing labels as negatives
-    client = methods.get(name).make_client(first.net, profile, loader, summary=label_summary(profile, items), epochs=epochs)
+    ctx = SiteContext(profile, loader, label_summary(profile, items), seed=seed)
+    client = methods.get(name).make_client(first.net, ctx, epochs=epochs, **(client_options or {}))
     client.train(to_numpy(first.net.state_dict()), 0)
     return score(first.net, to_numpy(first.net.state_dict()), bundle, data)
 

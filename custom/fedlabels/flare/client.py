@@ -1,13 +1,18 @@
 """The one client script every job runs (nvflare Client API).
 
-It reads its site's data from the scenario folder by ``flare.get_site_name()``,
-builds the network and transforms from the bundle, and runs the named
-method's client rule. A bad scenario is reported to the server as a fatal
-error before any training, so the whole job stops with that one message.
+It reads the job's ``fedlabels.json`` (``fedlabels.config.RunConfig``, the
+file the server reads too), its site's data from the scenario folder by
+``flare.get_site_name()``, builds the network and transforms from the bundle,
+and runs the method's client rule through the round engine's site task
+(``fedlabels.site.train_task``). A bad scenario or configuration is reported
+to the server as a fatal error at the set-up handshake, so the whole job
+stops with that one message before round 0.
 
 Where the data is: ``--data DIR`` or the ``FEDLABELS_DATA`` environment
 variable (each real site sets its own); neither -> the embedded synthetic
-scenario of ``--family``, generated on first use.
+scenario of the configuration's ``data.family``, generated on first use.
+Where the site keeps its state between rounds (for resuming):
+``FEDLABELS_STATE`` (default ``./fedlabels_state`` in the site's workspace).
 """
 
 from __future__ import annotations
@@ -15,30 +20,18 @@ from __future__ import annotations
 import argparse
 import os
 import time
-import zlib
 from pathlib import Path
 
 import nvflare.client as flare
 import torch
-import yaml
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from .. import methods
-from ..local import evaluate, flat_metrics, setup_site
-from ..methods.base import to_numpy
+from ..config import FILE, RunConfig
+from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, RESUME, to_numpy
 from ..profile import ScenarioError
-from .controller import FATAL
-
-
-def parse_options(pairs) -> dict:
-    """``key=value`` pairs; values parsed as YAML (numbers, booleans, lists)."""
-    out = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ValueError(f"method option {pair!r} is not key=value")
-        out[key] = yaml.safe_load(value)
-    return out
+from ..site import evaluate, flat_metrics, load_state, save_state, setup_site, train_task
+from .controller import FATAL, SUMMARY
 
 
 def find_bundle(name: str, here: Path | None = None) -> Path:
@@ -55,21 +48,13 @@ def find_bundle(name: str, here: Path | None = None) -> Path:
 
 def build_parser():
     p = argparse.ArgumentParser(description="fedlabels FLARE client")
-    p.add_argument("--bundle", required=True, help="bundle folder or name (looked up in the job's custom folder)")
-    p.add_argument("--method", required=True)
-    p.add_argument("--opt", action="append", default=[], help="method option key=value (repeatable)")
+    p.add_argument("--config", default=FILE, help="the run configuration (looked up in the job's custom folder)")
     p.add_argument("--data", default=None, help="scenario folder (default: $FEDLABELS_DATA, else the embedded one)")
-    p.add_argument("--family", default="cxr", help="embedded synthetic family when no data is given")
-    p.add_argument("--synth", action="append", default=[], help="embedded-data option key=value, e.g. cases=40")
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--fault", action="append", default=[], metavar="SITE:KIND:ROUND",
-                   help="fault drill: make SITE send a bad update (KIND nan|shape|keys) or crash (crash) at ROUND")
     return p
 
 
-def inject_fault(faults, site: str, rnd: int, weights: dict) -> dict:
+def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict) -> tuple:
     """Deliberately corrupt this site's update, to drill the server's fault handling."""
     for fault in faults:
         where, kind, when = fault.split(":")
@@ -78,53 +63,54 @@ def inject_fault(faults, site: str, rnd: int, weights: dict) -> dict:
         key = next(k for k, v in weights.items() if v.dtype.kind == "f")
         if kind == "crash":
             raise RuntimeError(f"fault drill: {site} crashes in round {rnd}")
-        weights = dict(weights)
+        weights, meta = dict(weights), dict(meta)
         if kind == "nan":
             weights[key] = weights[key] * float("nan")
         elif kind == "shape":
             weights[key] = weights[key].reshape(-1)[:-1]
         elif kind == "keys":
             weights["not_a_layer.weight"] = weights.pop(key)
+        elif kind == "no_n":
+            meta.pop(N)
         else:
             raise ValueError(f"unknown fault kind {kind!r}")
-    return weights
+    return weights, meta
 
 
-def data_root(args) -> Path:
+def data_root(args, cfg: RunConfig) -> Path:
     root = args.data or os.environ.get("FEDLABELS_DATA")
     if root:
         return Path(root)
     from ..data.synthetic import default_scenario
 
-    return default_scenario(args.family, seed=args.seed, **parse_options(args.synth))
+    return default_scenario(cfg.data.get("family", "cxr"), seed=cfg.seed, **cfg.data.get("synth", {}))
 
 
-def prepare(args, site: str, here: Path | None):
+def prepare(cfg: RunConfig, args, site: str, here: Path | None):
     """Everything a site needs, validated before the first round."""
-    method = methods.get(args.method)
-    options = parse_options(args.opt)
-    method.options(**options)  # unknown option names fail here
-    setup = setup_site(find_bundle(args.bundle, here), data_root(args), site, batch_size=args.batch_size,
-                       seed=args.seed + zlib.crc32(site.encode()) % 1000, device=args.device)
+    cfg.validate("client")
+    method = methods.get(cfg.method)
+    setup = setup_site(find_bundle(cfg.bundle, here), data_root(args, cfg), site, batch_size=cfg.data.get("batch_size"),
+                       seed=cfg.seed, device=args.device, network_overrides=cfg.network)
     profile = setup.site.profile
     if setup.task not in method.tasks:
         raise ValueError(f"method {method.name!r} handles {method.tasks}, not the scenario's task {setup.task!r}")
     if method.needs_labels and not profile.annotated:
         raise ScenarioError(setup.site.folder / "profile.yaml", f"method {method.name!r} needs labels but the site annotates no class", field="annotated")
-    summary = setup.site.summary()
-    client = method.make_client(setup.net, profile, setup.train_loader, device=args.device, summary=summary, **options)
-    return setup, client
+    return setup, method.make_client(setup.net, setup.context(), **cfg.client)
 
 
 def main(argv=None, here: Path | None = None):
     args = build_parser().parse_args(argv)
     flare.init()
     site = flare.get_site_name()
+    state_path = Path(os.environ.get("FEDLABELS_STATE", "fedlabels_state")) / f"{site}.pt"
+    cfg, fatal = None, None
     try:
-        setup, client = prepare(args, site, here)
-        fatal = None
-        print(f"[{site}] {args.method} on {setup.scenario.name}: {setup.site.summary()['cases']} training cases, "
-              f"annotates {list(setup.site.profile.annotated) or 'nothing'}", flush=True)
+        cfg = RunConfig.load(Path(args.config) if here is None else here / args.config)
+        setup, client = prepare(cfg, args, site, here)
+        print(f"[{site}] {cfg.method} on {setup.scenario.name}: {setup.site.summary()['cases']} training cases, "
+              f"annotates {list(setup.site.profile.annotated) or 'nothing'}; client options {cfg.client}", flush=True)
     except (ScenarioError, ValueError, FileNotFoundError) as e:
         fatal = str(e)
         print(f"[{site}] cannot start: {fatal}", flush=True)
@@ -135,19 +121,25 @@ def main(argv=None, here: Path | None = None):
         if fatal:
             flare.send(FLModel(params={}, meta={FATAL: fatal}))
             continue
+        meta = model.meta or {}
         t0 = time.time()
-        if flare.is_train():
-            # Score the received global model on local validation data first.
-            client.receive(model.params)
-            received = evaluate(client.net, setup.val_loader, setup.task, setup.classes, args.device)
-            update = client.train(model.params, model.current_round, (model.meta or {}).get("extras"))
-            scores = flat_metrics(received)
-            metrics = {**update.metrics, **scores}
-            meta = {**update.meta, "n": update.n, "NUM_STEPS_CURRENT_ROUND": update.n}
-            flare.send(FLModel(params=inject_fault(args.fault, site, model.current_round, update.weights), metrics=metrics, meta=meta))
-            print(f"[{site}] round {model.current_round}: n={update.n} train_loss={update.metrics.get('train_loss', float('nan')):.4f} "
-                  f"received model: val_auroc={scores.get('val_auroc')} val_accuracy={scores.get('val_accuracy')} "
-                  f"({time.time() - t0:.1f}s)", flush=True)
+        if flare.is_train() and meta.get(PHASE) == "summary":
+            flare.send(FLModel(params={}, meta={SUMMARY: setup.site.summary()}))
+        elif flare.is_train():
+            rnd = model.current_round
+            if site in (meta.get(RESUME) or []):
+                load_state(state_path, client, before=rnd)
+                print(f"[{site}] resumed its state from {state_path}", flush=True)
+            update = train_task(client, setup, model.params, rnd, meta.get(EXTRAS) or {})
+            save_state(state_path, client, rnd)
+            out = {**update.meta, N: update.n, ABSTAIN: update.abstain, EXTRAS: update.extras,
+                   "NUM_STEPS_CURRENT_ROUND": update.n}
+            weights, out = inject_fault(cfg.faults, site, rnd, update.weights, out)
+            flare.send(FLModel(params=weights, metrics=update.metrics, meta=out))
+            scores = {k: v for k, v in update.metrics.items() if k.startswith("val_") and "/" not in k}
+            print(f"[{site}] round {rnd}: n={update.n}" + (" abstained" if update.abstain else
+                  f" train_loss={update.metrics.get('train_loss', float('nan')):.4f}")
+                  + f" received model: {scores} ({time.time() - t0:.1f}s)", flush=True)
         elif flare.is_evaluate():
             client.receive(model.params)
             result = evaluate(client.net, setup.val_loader, setup.task, setup.classes, args.device)

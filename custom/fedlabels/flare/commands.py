@@ -97,6 +97,8 @@ def simulate(job_dir, workspace, sites: int, data=None, threads=None, log=None, 
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // sites)))
     if data:
         env["FEDLABELS_DATA"] = str(Path(data).resolve())
+    # Site state (for resuming) outside the workspace, which the simulator empties.
+    env.setdefault("FEDLABELS_STATE", str((workspace.parent / f"{workspace.name}.state").resolve()))
     cmd = [sys.executable, "-m", "nvflare.cli", "simulator", str(job_dir), "-w", str(workspace),
            "-n", str(sites), "-t", str(threads or sites)]
     run_dir = workspace / "server" / "simulate_job"
@@ -118,6 +120,8 @@ def simulate(job_dir, workspace, sites: int, data=None, threads=None, log=None, 
     if not progress.is_file():
         raise RuntimeError(f"simulation of {job_dir.name} did not finish (exit code {code}); see {log}")
     info = json.loads(progress.read_text())
+    if info.get("error"):
+        raise RuntimeError(f"simulation of {job_dir.name} failed: {info['error']}; see {log}")
     spec = json.loads((job_dir / "app" / "config" / "config_fed_server.json").read_text())
     rounds = spec["workflows"][0]["args"].get("num_rounds")
     if rounds is not None and info["next_round"] < rounds:
@@ -130,7 +134,7 @@ def evaluate_global(run_dir, bundle, data, which="best") -> dict:
     import torch
 
     from ..export import load_state_dict
-    from ..local import evaluate, read_bundle, test_loader
+    from ..site import evaluate, read_bundle, test_loader
 
     name = {"best": "best_FL_global_model.pt", "last": "FL_global_model.pt"}[which]
     ckpt = Path(run_dir) / "app_server" / name

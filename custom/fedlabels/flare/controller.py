@@ -1,20 +1,26 @@
 """One controller for every registered method (nvflare ``BaseFedAvg``).
 
-Each round: broadcast the global model (plus the method's extras) to each
-group of the method's plan, screen the updates (non-finite values, wrong keys
-or shapes are dropped with a logged reason), hand the rest to the method's
-server rule, never accept a non-finite global model, and persist it. Sites
-report validation metrics of the model they received, so the round's best
-model is chosen on site validation data, never on test data.
+The round itself belongs to ``fedlabels.engine.RoundEngine``; this class only
+supplies what needs nvflare: sending a step to its sites
+(``send_model_and_wait``), aggregating through ``BaseFedAvg.aggregate`` (so
+nvflare's aggregation events fire), persisting models and state.
+
+Before round 0 a handshake task collects every site's label summary for the
+server rule's ``setup`` (a site whose data is invalid answers with its error
+and the job stops there). Sites report validation metrics of the model they
+received, so the best model is chosen on site validation data, never on test
+data.
 
 Outputs in the server's run folder: ``FL_global_model.pt`` (last, written by
 the persistor), ``best_FL_global_model.pt``, ``metrics.jsonl`` (one line per
-round: per-site losses and per-class validation metrics), ``progress.json``
-(for resuming), ``cross_site_eval.json`` and TensorBoard events under ``tb/``.
+round: per-site losses and per-class validation metrics, dropped and
+abstaining sites), ``progress.json`` and ``fedlabels_server_state.pt`` (for
+resuming), ``cross_site_eval.json`` and TensorBoard events under ``tb/``.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
@@ -27,93 +33,64 @@ from nvflare.app_common.app_event_type import AppEventType
 from nvflare.app_common.workflows.base_fedavg import BaseFedAvg
 
 from .. import methods
-from ..methods.base import Update
-from ..profile import write_json_atomic
+from ..config import FILE, RunConfig
+from ..engine import NoProgress, RoundEngine
+from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, RESUME, Update
+from ..profile import write_atomic, write_json_atomic
 
 FATAL = "fatal_error"
-
-
-def screen_update(params: dict, reference: dict) -> str | None:
-    """Why an update must be dropped, or None when it is usable."""
-    if not params:
-        return "empty update"
-    unknown = sorted(set(params) - set(reference))
-    if unknown:
-        return f"unknown keys {unknown[:3]}"
-    for key, value in params.items():
-        arr = np.asarray(value)
-        if arr.shape != np.shape(reference[key]):
-            return f"shape of {key} is {arr.shape}, expected {np.shape(reference[key])}"
-        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-            return f"non-finite values in {key}"
-    return None
-
-
-def _finite(weights: dict) -> bool:
-    return all(np.isfinite(np.asarray(v)).all() for v in weights.values() if np.asarray(v).dtype.kind == "f")
+SUMMARY = "label_summary"
+STATE = "fedlabels_server_state.pt"
 
 
 class FedLabelsController(BaseFedAvg):
-    def __init__(self, *args, method: str = "fedavg", method_options: dict | None = None,
-                 key_metric: str = "val_auroc", min_sites: int = 1, resume_from: str = "", seed: int = 0, **kwargs):
+    def __init__(self, *args, resume_from: str = "", **kwargs):
         """
+        Everything else (method, options, seed, key metric, min_sites) comes from the
+        job's ``fedlabels.json`` (``fedlabels.config``), which the sites read too.
+
         Args:
-            method: a name registered in ``fedlabels.methods``.
-            method_options: the method's named options (checked before the first round).
-            key_metric: the validation metric (mean over sites) that picks the best model.
-            min_sites: fewest usable updates a round needs to change the global model.
-            resume_from: a previous run's server folder (WS/server/simulate_job: progress.json and
-                app_server/FL_global_model.pt): training continues from its last global model and round.
-            seed: initialises the global model (the persistor's own init is unseeded).
+            resume_from: a previous run's server folder (WS/server/simulate_job): training continues
+                from its last global model, server-rule state and round; sites load their saved state.
         """
         # A crashed site is dropped from the round (min_sites decides if the round counts).
         kwargs.setdefault("ignore_result_error", True)
         super().__init__(*args, **kwargs)
-        self.method, self.method_options = method, dict(method_options or {})
-        self.key_metric, self.min_sites, self.resume_from, self.seed = key_metric, min_sites, resume_from, seed
+        self.resume_from = resume_from
+        self._resume_sites = set()
 
     # ---------------------------------------------------------------- helpers
-    def _write(self, name, data):
-        write_json_atomic(os.path.join(self.get_run_dir(), name), data)
+    def _path(self, name):
+        return os.path.join(self.get_run_dir(), name)
 
     def _append_metrics(self, record):
-        path = os.path.join(self.get_run_dir(), "metrics.jsonl")
+        path = self._path("metrics.jsonl")
         lines = open(path).read().splitlines() if os.path.exists(path) else []
         lines = [line for line in lines if json.loads(line)["round"] != record["round"]]
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write("\n".join(lines + [json.dumps(record)]) + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, ("\n".join(lines + [json.dumps(record)]) + "\n").encode())
 
     def _tb(self):
         if not hasattr(self, "_writer"):
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(os.path.join(self.get_run_dir(), "tb"))
+            self._writer = SummaryWriter(self._path("tb"))
         return self._writer
 
-    def _save_best(self, model: FLModel):
-        ml = make_model_learnable(weights=model.params, meta_props=model.meta)
-        self.fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, ml, private=True, sticky=True)
+    def _save_best(self, params: dict):
+        self.fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, make_model_learnable(weights=params, meta_props={}),
+                             private=True, sticky=True)
         self.event(AppEventType.GLOBAL_BEST_MODEL_AVAILABLE)
 
-    def _load_resume(self, model: FLModel) -> tuple:
-        """Last global weights, next round and best score of a previous run."""
-        import torch
+    def _log(self, level, msg):
+        (self.warning if level == "warning" else self.info)(msg)
 
-        folder = self.resume_from
-        ckpt, progress = os.path.join(folder, "app_server", "FL_global_model.pt"), os.path.join(folder, "progress.json")
-        if not (os.path.isfile(ckpt) and os.path.isfile(progress)):
-            self.panic(f"resume_from={folder}: expected a previous run's server folder with progress.json and "
-                       "app_server/FL_global_model.pt")
-            return model, 0, None
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)["model"]
-        params = {k: np.asarray(v.cpu().numpy() if hasattr(v, "cpu") else v) for k, v in state.items()}
-        info = json.load(open(progress))
-        self.info(f"resuming from {folder}: round {info['next_round']}, best {self.key_metric}={info.get('best')}")
-        return FLModel(params=params, params_type=ParamsType.FULL, meta=model.meta), info["next_round"], info.get("best")
+    def _config(self) -> RunConfig:
+        folder = self.fl_ctx.get_engine().get_workspace().get_app_custom_dir(self.fl_ctx.get_job_id())
+        cfg = RunConfig.load(os.path.join(folder, FILE))
+        cfg.validate("server")
+        return cfg
 
-    def _seeded_init(self, params: dict) -> dict:
+    def _seeded_init(self, params: dict, seed: int) -> dict:
         """Re-initialise the persistor's network under ``seed`` so runs repeat exactly."""
         net = getattr(self.persistor, "model", None)
         if net is None:
@@ -122,7 +99,7 @@ class FedLabelsController(BaseFedAvg):
 
         from ..nets import rebuild
 
-        torch.manual_seed(self.seed)
+        torch.manual_seed(seed)
         return {k: v.detach().cpu().numpy() for k, v in rebuild(net).state_dict().items()}
 
     def _fatal(self, results) -> bool:
@@ -132,32 +109,71 @@ class FedLabelsController(BaseFedAvg):
                 return True
         return False
 
-    def _updates(self, results, reference, round) -> list:
+    # ---------------------------------------------------------------- what the engine calls
+    def _send(self, step, targets, weights, rnd, extras) -> list:
+        resume = sorted(self._resume_sites & set(targets))
+        self._resume_sites -= set(targets)
+        data = FLModel(params=weights, params_type=ParamsType.FULL, current_round=rnd, total_rounds=self.num_rounds,
+                       meta={EXTRAS: extras, RESUME: resume})
+        results = self.send_model_and_wait(task_name="train", targets=targets, data=data)
+        if self.abort_signal.triggered or self._fatal(results):
+            raise _Stop()
         updates = []
         for r in results:
-            site = (r.meta or {}).get("client_name", "?")
-            why = screen_update(r.params, reference)
-            if why:
-                self.warning(f"round {round} {site}: update dropped: {why}")
-                continue
-            meta = dict(r.meta)
-            updates.append(Update(site, r.params, int(meta.get("n", 1)), meta, dict(r.metrics or {})))
+            meta = dict(r.meta or {})
+            n = meta.get(N)
+            updates.append(Update(meta.get("client_name", "?"), r.params or {}, None if n is None else int(n), meta,
+                                  dict(r.metrics or {}), meta.pop(EXTRAS, None) or {}, bool(meta.get(ABSTAIN))))
         return updates
+
+    def _aggregate(self, updates, fn):
+        results = [FLModel(params=u.weights, params_type=ParamsType.FULL, meta={"client_name": u.site, N: u.n})
+                   for u in updates]
+        out = self.aggregate(results, aggregate_fn=lambda _: FLModel(params=fn(), params_type=ParamsType.FULL))
+        return out.params or None
+
+    def _handshake(self, clients) -> dict:
+        """Every site's label summary, before round 0."""
+        results = self.send_model_and_wait(task_name="train", targets=clients,
+                                           data=FLModel(params={}, meta={PHASE: "summary"}))
+        if self._fatal(results):
+            return None
+        summaries = {r.meta["client_name"]: r.meta[SUMMARY] for r in results if SUMMARY in (r.meta or {})}
+        missing = sorted(set(clients) - set(summaries))
+        if missing:
+            self.panic(f"no label summary from {missing}: the site failed at start-up")
+            return None
+        return summaries
 
     # ---------------------------------------------------------------- flow
     def run(self) -> None:
-        method = methods.get(self.method)
-        server = method.make_server(**self.method_options)
+        try:
+            self._run()
+        except _Stop:
+            return
+
+    def _run(self) -> None:
+        cfg = self._config()
+        server = methods.get(cfg.method).make_server(**cfg.server)
         model = self.load_model()
         if model is None:
             return
-        start, best = self.start_round, None
+        clients = self.sample_clients(self.num_clients)
+        summaries = self._handshake(clients)
+        if summaries is None:
+            return
+        task = next(iter(summaries.values()))["task"]
+        key = cfg.metric(task)
+        server.setup(summaries)
+        engine = RoundEngine(server, self._send, key_metric=key, min_sites=cfg.min_sites, aggregate=self._aggregate,
+                             log=self._log)
+        start = self.start_round
         if self.resume_from:
-            model, start, best = self._load_resume(model)
+            model.params, start = self._resume(engine)
+            self._resume_sites = set(summaries)
         else:
-            model.params = self._seeded_init(model.params)
-        self.info(f"method {self.method} {self.method_options}; rounds {start}..{self.num_rounds - 1}")
-        previous = None  # the global model the sites validate at the start of this round
+            model.params = self._seeded_init(model.params, cfg.seed)
+        self.info(f"method {cfg.method} client {cfg.client} server {cfg.server}; rounds {start}..{self.num_rounds - 1}")
         for rnd in range(start, self.num_rounds):
             if self.abort_signal.triggered:
                 return
@@ -165,73 +181,88 @@ class FedLabelsController(BaseFedAvg):
             self.current_round = rnd
             self.fl_ctx.set_prop(AppConstants.CURRENT_ROUND, rnd, private=True, sticky=False)
             self.event(AppEventType.ROUND_STARTED)
-            clients = self.sample_clients(self.num_clients)
-            record = {"round": rnd, "sites": {}, "dropped": []}
-            val_scores = []
-            for group in server.plan(rnd, clients) if hasattr(server, "plan") else [clients]:
-                data = FLModel(params=model.params, params_type=ParamsType.FULL, current_round=rnd,
-                               total_rounds=self.num_rounds, meta={"extras": server.extras(rnd)})
-                results = self.send_model_and_wait(task_name="train", targets=group, data=data)
-                if self.abort_signal.triggered or self._fatal(results):
-                    return
-                updates = self._updates(results, model.params, rnd)
-                record["dropped"] += sorted({r.meta.get("client_name") for r in results} - {u.site for u in updates})
-                for u in updates:
-                    record["sites"][u.site] = {"n": u.n, **u.metrics}
-                    if self.key_metric in u.metrics:
-                        val_scores.append(u.metrics[self.key_metric])
-                if len(updates) < self.min_sites:
-                    self.warning(f"round {rnd}: {len(updates)} usable update(s) < min_sites={self.min_sites}; global model kept")
-                    continue
-                new = server.aggregate(updates, dict(model.params), rnd)
-                if not _finite(new):
-                    self.warning(f"round {rnd}: aggregate is not finite; global model kept")
-                    continue
-                model = self.update_model(model, FLModel(params=new, params_type=ParamsType.FULL, meta={}))
-            # Sites scored the model they received: that is ``previous`` (the last round's result).
-            score = float(np.mean(val_scores)) if val_scores else None
-            record[f"mean_{self.key_metric}"] = score
-            if score is not None and previous is not None and (best is None or score > best):
-                best = score
-                self._save_best(previous)
-                self.info(f"round {rnd}: new best {self.key_metric}={score:.4f} (model of round {rnd - 1})")
+            received = dict(model.params)
+            weights, record, is_best = engine.run_round(rnd, received, list(clients))
+            if is_best:
+                self._save_best(received)
+                self.info(f"round {rnd}: new best {key}={engine.best:.4f} (the model the sites received)")
+            model = self.update_model(model, FLModel(params=weights, params_type=ParamsType.FULL, meta={}))
             self.save_model(model)
-            # A snapshot: update_model() changes the FLModel it is given in place.
-            previous = FLModel(params=dict(model.params), params_type=ParamsType.FULL, meta={})
-            self._log_round(record, time.time() - t0)
-            self._write("progress.json", {"next_round": rnd + 1, "best": best, "method": self.method})
-        final = self._cross_site_eval(model)
-        if final is not None and previous is not None and (best is None or final > best):
-            self._save_best(model)
-            best = final
-        self._write("progress.json", {"next_round": self.num_rounds, "best": best, "method": self.method})
-        self.info(f"finished {self.method}: best mean {self.key_metric} = {best}")
+            self._log_round(record, key, time.time() - t0)
+            self._save_state(engine, rnd + 1, cfg.method)
+        final = self._cross_site_eval(model, key)
+        score, is_best = engine.score_final(final)
+        if is_best or not os.path.isfile(os.path.join(self.get_run_dir(), "app_server", "best_FL_global_model.pt")):
+            self._save_best(dict(model.params))
+        try:
+            engine.check_progress()
+        except NoProgress as e:
+            write_json_atomic(self._path("progress.json"), {"next_round": self.num_rounds, "error": str(e)})
+            self.panic(str(e))
+            return
+        self._save_state(engine, self.num_rounds, cfg.method)
+        self.info(f"finished {cfg.method}: best mean {key} = {engine.best}")
 
-    def _cross_site_eval(self, model):
-        """The final global model validated at every site (per-class, label-aware)."""
+    def _save_state(self, engine, next_round, method):
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(engine.state_dict(), buf)
+        write_atomic(self._path(STATE), buf.getvalue())
+        write_json_atomic(self._path("progress.json"), {"next_round": next_round, "best": engine.best, "method": method})
+
+    def _resume(self, engine) -> tuple:
+        """Last global weights, server-rule state and next round of a previous run; its best model carried over."""
+        import torch
+
+        folder = self.resume_from
+        paths = {n: os.path.join(folder, n) for n in ("app_server/FL_global_model.pt", "progress.json", STATE)}
+        missing = [n for n, p in paths.items() if not os.path.isfile(p)]
+        if missing:
+            self.panic(f"resume_from={folder}: not a finished round's server folder (missing {missing})")
+            raise _Stop()
+
+        def load(name):
+            state = torch.load(os.path.join(folder, "app_server", name), map_location="cpu", weights_only=False)["model"]
+            return {k: np.asarray(v.cpu().numpy() if hasattr(v, "cpu") else v) for k, v in state.items()}
+
+        engine.load_state_dict(torch.load(paths[STATE], map_location="cpu", weights_only=False))
+        info = json.load(open(paths["progress.json"]))
+        if os.path.isfile(os.path.join(folder, "app_server", "best_FL_global_model.pt")):
+            self._save_best(load("best_FL_global_model.pt"))
+        self.info(f"resuming from {folder}: round {info['next_round']}, best {engine.key_metric}={engine.best}")
+        return load("FL_global_model.pt"), info["next_round"]
+
+    def _cross_site_eval(self, model, key) -> dict:
+        """The final global model validated at every site (per-class, label-aware); {site: key metric}."""
         results = self.send_model_and_wait(task_name="validate", data=FLModel(params=model.params, params_type=ParamsType.FULL,
                                                                               current_round=self.num_rounds))
         per_site = {r.meta.get("client_name"): r.meta.get("evaluation", r.metrics) for r in results if r.metrics}
-        self._write("cross_site_eval.json", per_site)
-        scores = [r.metrics[self.key_metric] for r in results if r.metrics and self.key_metric in r.metrics]
-        for site, m in sorted(per_site.items()):
-            self.info(f"final global model at {site}: {self.key_metric}={m.get(self.key_metric.removeprefix('val_'))}")
-        return float(np.mean(scores)) if scores else None
+        write_json_atomic(self._path("cross_site_eval.json"), per_site)
+        scores = {r.meta.get("client_name"): r.metrics[key] for r in results if r.metrics and key in r.metrics}
+        for site, value in sorted(scores.items()):
+            self.info(f"final global model at {site}: {key}={value:.4f}")
+        return scores
 
-    def _log_round(self, record, seconds):
+    def _log_round(self, record, key, seconds):
         rnd = record["round"]
         for site, m in sorted(record["sites"].items()):
             vals = " ".join(f"{k}={v:.4f}" for k, v in m.items() if "/" not in k and isinstance(v, float))
             self.info(f"round {rnd} {site}: n={m['n']} {vals}")
-        self.info(f"round {rnd} done in {seconds:.1f}s; mean {self.key_metric} of received model = "
-                  f"{record[f'mean_{self.key_metric}']}" + (f"; dropped {record['dropped']}" if record["dropped"] else ""))
+        self.info(f"round {rnd} done in {seconds:.1f}s; mean {key} of received model = {record[f'mean_{key}']}"
+                  + (f"; dropped {sorted(record['dropped'])}" if record["dropped"] else "")
+                  + (f"; abstained {record['abstained']}" if record["abstained"] else ""))
         record["seconds"] = seconds
         self._append_metrics(record)
         tb = self._tb()
         for site, m in record["sites"].items():
             for k, v in m.items():
-                if isinstance(v, (int, float)):
+                if isinstance(v, (int, float)) and v is not None:
                     tb.add_scalar(f"{site}/{k}", v, rnd)
-        if record[f"mean_{self.key_metric}"] is not None:
-            tb.add_scalar(f"global/mean_{self.key_metric}", record[f"mean_{self.key_metric}"], rnd)
+        if record[f"mean_{key}"] is not None:
+            tb.add_scalar(f"global/mean_{key}", record[f"mean_{key}"], rnd)
         tb.flush()
+
+
+class _Stop(Exception):
+    """The job was aborted or a site reported a fatal error: leave the run loop."""

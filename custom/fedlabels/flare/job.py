@@ -12,7 +12,6 @@ The committed folders under ``nvflare_jobs/`` are exported from here
 
 from __future__ import annotations
 
-import shlex
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -23,7 +22,8 @@ from nvflare.app_opt.pt.job_config.model import PTModel
 from nvflare.client.config import ExchangeFormat
 from nvflare.job_config.api import FedJob
 
-from ..local import read_bundle
+from ..config import FILE, RunConfig
+from ..site import read_bundle
 from .controller import FedLabelsController
 
 REPO = Path(__file__).resolve().parents[3]
@@ -40,52 +40,38 @@ class JobSpec:
     family: str = "cxr"
     rounds: int = 20
     sites: int = 4
-    options: dict = field(default_factory=dict)  # the method's named options
+    client: dict = field(default_factory=dict)  # the client rule's named options
+    server: dict = field(default_factory=dict)  # the server rule's named options
     synth: dict = field(default_factory=dict)  # embedded-data options (cases, size, ...)
     network: dict = field(default_factory=dict)  # network_def overrides (e.g. hidden)
     seed: int = 0
     batch_size: int | None = None
-    key_metric: str = "val_auroc"
+    key_metric: str | None = None  # None: the task's default (fedlabels.config.KEY_METRICS)
     min_sites: int = 1
     resume_from: str = ""
     external_process: bool = False
     faults: list = field(default_factory=list)  # fault drills, "SITE:KIND:ROUND" (see client.py)
 
+    def config(self) -> RunConfig:
+        return RunConfig(method=self.method, bundle=Path(self.bundle).name, client=dict(self.client),
+                         server=dict(self.server), network=dict(self.network),
+                         data={"family": self.family, "synth": dict(self.synth), "batch_size": self.batch_size},
+                         seed=self.seed, key_metric=self.key_metric, min_sites=self.min_sites, faults=list(self.faults))
+
 
 # One job per federated method on the embedded cxr scenario (DenseNet121, 64 px).
 CXR_TRAINING = {"lr": 1e-3, "epochs": 1}
 CXR_JOBS = [
-    JobSpec("fedavg_cxr", "fedavg", options=dict(CXR_TRAINING)),
-    JobSpec("fedavg_pl_cxr", "fedavg_pl", options=dict(CXR_TRAINING)),
-    JobSpec("fedprox_cxr", "fedprox", options={**CXR_TRAINING, "mu": 0.001}),
-    JobSpec("fedbn_cxr", "fedbn", options=dict(CXR_TRAINING)),
-    JobSpec("fedbn_plus_cxr", "fedbn_plus", options=dict(CXR_TRAINING)),
-    JobSpec("surgical_cxr", "surgical", options={**CXR_TRAINING, "warmup_epochs": 3, "warmup_lr": 5e-3}),
-    JobSpec("fedpsl_cxr", "fedpsl", options=dict(CXR_TRAINING)),
-    JobSpec("fedpsl_tdma_cxr", "fedpsl_tdma", options=dict(CXR_TRAINING)),
-    JobSpec("fedpsl_tadl_cxr", "fedpsl_tadl", options=dict(CXR_TRAINING)),
+    JobSpec("fedavg_cxr", "fedavg", client=dict(CXR_TRAINING)),
+    JobSpec("fedavg_pl_cxr", "fedavg_pl", client=dict(CXR_TRAINING)),
+    JobSpec("fedprox_cxr", "fedprox", client={**CXR_TRAINING, "mu": 0.001}),
+    JobSpec("fedbn_cxr", "fedbn", client=dict(CXR_TRAINING)),
+    JobSpec("surgical_cxr", "surgical", client={**CXR_TRAINING, "warmup_epochs": 3, "warmup_lr": 5e-3}),
+    JobSpec("fedpsl_cxr", "fedpsl", client=dict(CXR_TRAINING)),
+    JobSpec("fedpsl_tdma_cxr", "fedpsl_tdma", client=dict(CXR_TRAINING)),
+    JobSpec("fedpsl_tadl_cxr", "fedpsl_tadl", client=dict(CXR_TRAINING)),
 ]
 JOBS = {spec.name: spec for spec in CXR_JOBS}
-
-
-def _kv(pairs: dict) -> list:
-    out = []
-    for k, v in pairs.items():
-        out.append(f"{k}={str(v).lower() if isinstance(v, bool) else v}")
-    return out
-
-
-def script_args(spec: JobSpec) -> str:
-    args = ["--bundle", Path(spec.bundle).name, "--method", spec.method, "--family", spec.family, "--seed", str(spec.seed)]
-    for kv in _kv(spec.options):
-        args += ["--opt", kv]
-    for kv in _kv(spec.synth):
-        args += ["--synth", kv]
-    for fault in spec.faults:
-        args += ["--fault", fault]
-    if spec.batch_size:
-        args += ["--batch-size", str(spec.batch_size)]
-    return shlex.join(args)
 
 
 def server_network(spec: JobSpec):
@@ -97,26 +83,33 @@ def server_network(spec: JobSpec):
     return parser.get_parsed_content("network_def", instantiate=True), bundle
 
 
-def build_job(spec: JobSpec) -> FedJob:
+def build_job(spec: JobSpec, workdir) -> FedJob:
+    """The job; its ``fedlabels.json`` is written into ``workdir``, which must outlive the export."""
+    cfg = spec.config()
+    cfg.validate("server")
+    cfg.validate("client")
+    config_file = cfg.save(Path(workdir) / FILE)
     net, bundle = server_network(spec)
     job = FedJob(name=spec.name, min_clients=spec.sites)
     # fedlabels is pip-installed at every site and server: reference it, don't copy it.
     job.set_app_packages(["fedlabels"])
-    controller = FedLabelsController(num_clients=spec.sites, num_rounds=spec.rounds, method=spec.method,
-                                     method_options=spec.options, key_metric=spec.key_metric,
-                                     min_sites=spec.min_sites, resume_from=spec.resume_from, seed=spec.seed)
-    job.to_server(controller, id="controller")
+    job.to_server(FedLabelsController(num_clients=spec.sites, num_rounds=spec.rounds, resume_from=spec.resume_from),
+                  id="controller")
     # Sites poll for tasks every 0.2 s instead of 2 s: a round is not padded by polling.
     job.to_server({"server": {"task_request_interval": 0.2}})
     job.to_server(PTModel(net))
     if spec.external_process:
-        executor = ClientAPIExecutor(execution_mode="external_process", command=f"python3 -u custom/{SHIM.name} {script_args(spec)}",
+        executor = ClientAPIExecutor(execution_mode="external_process", command=f"python3 -u custom/{SHIM.name}",
                                      params_exchange_format=ExchangeFormat.NUMPY, server_expected_format=ExchangeFormat.NUMPY)
     else:
-        executor = ClientAPIExecutor(execution_mode="in_process", task_script_path=SHIM.name, task_script_args=script_args(spec),
+        executor = ClientAPIExecutor(execution_mode="in_process", task_script_path=SHIM.name, task_script_args="",
                                      params_exchange_format=ExchangeFormat.NUMPY, server_expected_format=ExchangeFormat.NUMPY)
     job.to_clients(executor, tasks=["*"])
     job.add_file_to_clients(str(SHIM))
+    # One configuration file for both sides (the simulator and a POC/production deployment
+    # both place it in the app's custom folder).
+    job.add_file_to_clients(str(config_file))
+    job.add_file_to_server(str(config_file))
     job.add_file_to_clients(str(bundle), dest_dir=bundle.name)
     return job
 
@@ -126,7 +119,7 @@ def export(spec: JobSpec, out_dir) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        build_job(spec).export_job(tmp)
+        build_job(spec, tmp).export_job(tmp)
         target = out_dir / spec.name
         if target.exists():
             shutil.rmtree(target)
@@ -156,9 +149,11 @@ def run_cli(spec: JobSpec, argv=None) -> None:
         print(export(spec, args.export))
         return
 
+    workdir = tempfile.mkdtemp(prefix=f"{spec.name}-")
+
     class FedLabelsRecipe(Recipe):
         def __init__(self):
-            super().__init__(build_job(spec))
+            super().__init__(build_job(spec, workdir))
 
     if args.sim:
         env = SimEnv(num_clients=args.sites, workspace_root=args.sim)

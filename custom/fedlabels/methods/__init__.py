@@ -1,16 +1,36 @@
 """Method registry: a method is a client rule + a server rule + preset options.
 
-``build(name, **options)`` checks option names against the method's own
-(so a typo in a job config fails before training) and returns the pair of
-factories the FLARE glue and the tests use.
+A method module registers itself when imported; every module of this
+package is imported on first use, so adding a method is adding a module.
+``Method.client_options`` / ``server_options`` check option names against
+the rule's own keyword arguments, so a typo in a job configuration fails
+with its name before training.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 from dataclasses import dataclass, field
 
-from .base import ClientRule, ServerRule, Update  # noqa: F401
+from .base import ClientRule, ServerRule, SiteContext, Step, Update  # noqa: F401
+
+# Not options: what the site supplies.
+_SUPPLIED = {"self", "net", "ctx", "args", "kw", "kwargs"}
+
+
+def _keywords(cls) -> set:
+    """Keyword arguments of ``cls.__init__``, following ``**kw`` up the MRO (and only then)."""
+    names = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass) or klass is object:
+            continue
+        params = inspect.signature(klass.__init__).parameters
+        names |= set(params)
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            break
+    return names - _SUPPLIED
 
 
 @dataclass(frozen=True)
@@ -19,30 +39,34 @@ class Method:
     client: type
     server: type
     tasks: tuple
-    presets: dict = field(default_factory=dict)
+    client_presets: dict = field(default_factory=dict)
+    server_presets: dict = field(default_factory=dict)
     needs_labels: bool = True  # every site must annotate at least one class
     doc: str = ""
 
-    def option_names(self) -> set:
-        names = set()
-        for cls in (self.client, self.server, ClientRule):
-            for klass in cls.__mro__:
-                if "__init__" in vars(klass):
-                    names |= {p for p in inspect.signature(klass.__init__).parameters if p not in ("self", "args", "kw", "kwargs", "options")}
-        return names - {"net", "profile", "loader", "device", "summary"}
+    def client_option_names(self) -> set:
+        return _keywords(self.client)
 
-    def options(self, **overrides) -> dict:
-        unknown = set(overrides) - self.option_names()
+    def server_option_names(self) -> set:
+        return _keywords(self.server)
+
+    def _check(self, side: str, options: dict, known: set, presets: dict) -> dict:
+        unknown = sorted(set(options) - known)
         if unknown:
-            raise ValueError(f"method {self.name!r} has no option(s) {sorted(unknown)}; options are {sorted(self.option_names())}")
-        return {**self.presets, **overrides}
+            raise ValueError(f"method {self.name!r} has no {side} option(s) {unknown}; {side} options are {sorted(known)}")
+        return {**presets, **options}
 
-    def make_client(self, net, profile, loader, device="cpu", summary=None, **options):
-        opts = self.options(**options)
-        return self.client(net, profile, loader, device=device, summary=summary, **opts)
+    def client_options(self, **options) -> dict:
+        return self._check("client", options, self.client_option_names(), self.client_presets)
 
-    def make_server(self, **options):
-        return self.server(**self.options(**options))
+    def server_options(self, **options) -> dict:
+        return self._check("server", options, self.server_option_names(), self.server_presets)
+
+    def make_client(self, net, ctx: SiteContext, **options) -> ClientRule:
+        return self.client(net, ctx, **self.client_options(**options))
+
+    def make_server(self, **options) -> ServerRule:
+        return self.server(**self.server_options(**options))
 
 
 REGISTRY: dict = {}
@@ -66,5 +90,5 @@ def names() -> list:
 
 
 def _load_all():
-    # Importing a method module registers it.
-    from . import fedavg, fedpsl, surgical  # noqa: F401
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")

@@ -1,40 +1,131 @@
-"""The shape every method takes: a client rule and a server rule.
+"""The declared method lifecycle: a client rule, a server rule, and what they exchange.
 
-Pure PyTorch/NumPy -- nothing here knows about FLARE. The FLARE glue
-(``fedlabels.flare``) moves ``Update`` objects and global weights between
-sites and server and calls these rules; a unit test calls them directly.
+Pure PyTorch/NumPy -- nothing here knows about FLARE. The round engine
+(``fedlabels.engine``) runs the lifecycle; the nvflare controller and the
+in-process loop only move ``Update`` objects and weights::
+
+    server.setup(summaries)                      # before round 0: every site's label summary
+    for round:
+        for step in server.plan(round, sites):   # ordered steps (``Step``)
+            updates = send(step.sites, start weights, server.extras(round, step))
+            weights = server.aggregate(updates, weights, round)   # abstentions and faults left out
+    client.train(weights, round, extras) -> Update(weights, n, meta, metrics, extras)
+    client.state_dict() / server.state_dict()   # saved every round: resume is exact
 
 Weights travel as ``dict[str, np.ndarray]`` (a state dict), as FLARE sends
-them. Batch-norm policy (METHODS.md):
+them. Batch-norm policy (docs/methods.md):
 
 * ``fedavg`` -- BN affine parameters and running statistics are averaged;
-* ``fedbn``  -- they never leave the site (not sent, not overwritten);
-* ``fedbn+`` -- frozen in inference mode at their initial statistics and not
-  aggregated.
+* ``fedbn``  -- a site trains with its own BN: after its first round it never
+  loads the global BN keys. It still sends them, and the server averages them
+  by n_k, so the global model that is saved, scored and exported carries the
+  sites' mean learned statistics (a site's training never sees that mean);
+* ``fedbn+`` -- frozen in inference mode at the initial (pretrained,
+  ``init_ckpt``) statistics; never sent, never aggregated.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from ..losses import pos_weight_from_counts
 from ..nets import batchnorm_keys, freeze_batchnorm
 from ..profile import SiteProfile
 
 BN_POLICIES = ("fedavg", "fedbn", "fedbn+")
 
+# Metadata keys of an update (what a site sends besides weights). The label
+# summary's own keys (profile.label_summary) travel in the same dict.
+N = "n"                        # cases trained on this step: the FedAvg weight n_k
+ABSTAIN = "abstain"            # True: the site sits this step out (weight 0; not a fault)
+HEAD_NAME = "head_name"        # module name of the classifier head
+LABELED_MASK = "labeled_mask"  # per class: 1 where the site annotates it
+ANNOTATED = "annotated"        # per class: n_k^c, training cases annotated for it
+SITE = "site"
+# Keys of what the server sends besides weights.
+EXTRAS = "extras"              # the server rule's extras for this step
+PHASE = "phase"                # "train" (default) or "summary" (the set-up handshake)
+RESUME = "resume"              # True on the first round of a resumed run: sites load their saved state
+
+START_GLOBAL, START_PREVIOUS = "global", "previous"
+
+
+def site_seed(seed: int, site: str) -> int:
+    """One site's seed: the run's seed and the site's name (the same in FLARE and in-process)."""
+    return seed + zlib.crc32(site.encode()) % 1000
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a round's plan.
+
+    ``sites`` train starting from ``start``: the model the round started with
+    (``START_GLOBAL``) or the previous step's result (``START_PREVIOUS``).
+    With ``groups`` (subsets of ``sites``, possibly overlapping), each group
+    is aggregated on its own from the same start and the server rule's
+    ``combine`` merges the group results (RSCFed's parallel subsets).
+    """
+
+    sites: tuple
+    start: str = START_GLOBAL
+    groups: tuple = ()
+    name: str = "train"
+
+    def __post_init__(self):
+        if self.start not in (START_GLOBAL, START_PREVIOUS):
+            raise ValueError(f"step {self.name!r}: start must be {START_GLOBAL!r} or {START_PREVIOUS!r}, not {self.start!r}")
+        outside = {s for g in self.groups for s in g} - set(self.sites)
+        if outside:
+            raise ValueError(f"step {self.name!r}: groups name sites outside the step: {sorted(outside)}")
+
 
 @dataclass
 class Update:
-    """What a site sends after local training."""
+    """What a site sends after a step."""
 
     site: str
     weights: dict
     n: int
     meta: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
+    extras: dict = field(default_factory=dict)
+    abstain: bool = False
+
+
+@dataclass
+class SiteContext:
+    """What a client rule sees of its site.
+
+    ``train`` yields batches with ``image`` and ``label`` (and ``image_strong``,
+    a second, strongly augmented view of the same cases, when the bundle
+    defines ``train#strong_preprocessing``); ``val`` is the site's validation
+    loader (may be None); ``summary`` is ``profile.label_summary`` of the
+    training cases; ``seed`` is the site's seed (``site_seed``).
+    """
+
+    profile: SiteProfile
+    train: object
+    summary: dict
+    val: object = None
+    seed: int = 0
+    device: str = "cpu"
+
+    def reseed(self, round: int) -> None:
+        """Seed everything random in a round from (site seed, round): shuffling,
+        augmentation, dropout. A resumed run therefore draws what an
+        uninterrupted one would, with no random state to save."""
+        s = (self.seed * 1_000_003 + round) % (2**31)
+        torch.manual_seed(s)
+        gen = getattr(self.train, "generator", None)
+        if gen is not None:
+            gen.manual_seed(s)
+        transform = getattr(getattr(self.train, "dataset", None), "transform", None)
+        if hasattr(transform, "set_random_state"):
+            transform.set_random_state(seed=s)
 
 
 def to_numpy(state: dict) -> dict:
@@ -50,62 +141,58 @@ def load_weights(net: torch.nn.Module, weights: dict, skip=()) -> None:
                 own[k].copy_(torch.as_tensor(np.asarray(v)).to(own[k].dtype))
 
 
-def weighted_mean(arrays: list, weights) -> np.ndarray:
-    """sum_k w_k a_k / sum_k w_k, in float64, cast back to the first array's dtype."""
-    w = np.asarray(weights, dtype=np.float64)
-    if w.sum() <= 0:
-        raise ValueError("weights sum to zero")
-    out = sum(wi * np.asarray(a, dtype=np.float64) for wi, a in zip(w, arrays)) / w.sum()
-    return out.astype(np.asarray(arrays[0]).dtype)
-
-
-def average_keys(updates: list, global_weights: dict, weights) -> dict:
-    """Weighted mean of every key; a key no update sent keeps its global value.
-
-    Integer buffers (e.g. BN ``num_batches_tracked``) are averaged and rounded.
-    """
-    out = dict(global_weights)
-    for key in global_weights:
-        have = [(u.weights[key], w) for u, w in zip(updates, weights) if key in u.weights]
-        if have:
-            mean = weighted_mean([a for a, _ in have], [w for _, w in have])
-            out[key] = np.round(mean).astype(mean.dtype) if np.issubdtype(mean.dtype, np.integer) else mean
-    return out
+def make_optimizer(name: str, params, lr: float, weight_decay: float = 0.0):
+    """The one optimizer factory: ``params`` is a list of tensors or of parameter groups."""
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; use 'adam' or 'sgd'")
 
 
 class ClientRule:
     """Local training at one site.
 
     The generic loop: receive global weights, train ``epochs`` passes over the
-    loader with ``loss()``, send the state dict minus the keys the BN policy
-    keeps local. Methods override ``loss``, ``train_step`` or ``train``;
-    ``train_step`` may return None for a batch it skips (not counted in n).
+    site's training loader with ``loss()``, send the state dict minus the keys
+    the BN policy keeps at the site. Methods override ``loss``,
+    ``train_step`` or ``train``; ``train_step`` may return None for a batch it
+    skips (not counted in n). ``pos_weighted`` (multi-label only; default on)
+    weights each class's positives by N_neg / N_pos over the site's cases
+    annotated for it (``losses.pos_weight_from_counts``), the same rule for
+    every method.
     """
 
-    def __init__(self, net, profile: SiteProfile, loader, *, lr=1e-3, epochs=1, weight_decay=0.0,
-                 optimizer="adam", bn_policy="fedavg", device="cpu", pos_weight=None, reset_optimizer=False,
-                 summary=None, **options):
+    def __init__(self, net, ctx: SiteContext, *, lr=1e-3, epochs=1, weight_decay=0.0, optimizer="adam",
+                 bn_policy="fedavg", pos_weighted=None, reset_optimizer=False):
         if bn_policy not in BN_POLICIES:
             raise ValueError(f"bn_policy {bn_policy!r} is not one of {BN_POLICIES}")
-        self.net, self.profile, self.loader = net.to(device), profile, loader
-        self.lr, self.epochs, self.weight_decay, self.optimizer_name = lr, epochs, weight_decay, optimizer
-        self.bn_policy, self.device, self.reset_optimizer = bn_policy, device, reset_optimizer
-        self.pos_weight = None if pos_weight is None else torch.as_tensor(pos_weight, dtype=torch.float32, device=device)
-        # label_summary() of the site's training cases: sent as metadata every round.
-        self.summary = dict(summary or {})
-        self.options = options
-        self.local_keys = set(batchnorm_keys(net)) if bn_policy in ("fedbn", "fedbn+") else set()
+        if bn_policy == "fedbn+" and batchnorm_keys(net) and not getattr(net, "init_ckpt", None):
+            raise ValueError("bn_policy 'fedbn+' freezes batch norm at its initial statistics, and without a "
+                             "pretrained checkpoint those are the identity (mean 0, variance 1): the network would "
+                             "train with no normalisation. Give the network a pretrained init_ckpt "
+                             "(network option), or use 'fedbn'")
+        task = ctx.profile.task
+        if pos_weighted and task != "multilabel":
+            raise ValueError(f"pos_weighted applies to multi-label tasks; this site's task is {task!r}")
+        self.net, self.ctx = net.to(ctx.device), ctx
+        self.profile, self.device = ctx.profile, ctx.device
+        self.lr, self.epochs, self.weight_decay, self.optimizer_name = float(lr), int(epochs), float(weight_decay), optimizer
+        self.bn_policy, self.reset_optimizer = bn_policy, bool(reset_optimizer)
+        self.pos_weighted = task == "multilabel" if pos_weighted is None else bool(pos_weighted)
+        self.pos_weight = None
+        if self.pos_weighted:
+            w = pos_weight_from_counts(ctx.summary[ANNOTATED], ctx.summary["positives"])
+            self.pos_weight = torch.as_tensor(w, dtype=torch.float32, device=self.device)
+        self.bn_keys = set(batchnorm_keys(net)) if bn_policy in ("fedbn", "fedbn+") else set()
+        # Keys never sent: FedBN+'s frozen statistics (FedBN sends its own, see the module docstring).
+        self.local_keys = self.bn_keys if bn_policy == "fedbn+" else set()
         self.optimizer = None
         self.received = False
 
     # ---------------------------------------------------------------- hooks
     def make_optimizer(self, params):
-        params = [p for p in params if p.requires_grad]
-        if self.optimizer_name == "adam":
-            return torch.optim.Adam(params, lr=self.lr, weight_decay=self.weight_decay)
-        if self.optimizer_name == "sgd":
-            return torch.optim.SGD(params, lr=self.lr, momentum=0.9, weight_decay=self.weight_decay)
-        raise ValueError(f"unknown optimizer {self.optimizer_name!r}")
+        return make_optimizer(self.optimizer_name, [p for p in params if p.requires_grad], self.lr, self.weight_decay)
 
     def loss(self, logits, labels) -> torch.Tensor:
         raise NotImplementedError
@@ -121,6 +208,24 @@ class ClientRule:
     def begin_round(self, round: int, extras: dict) -> None:
         """Called after the global model is loaded, before local training."""
 
+    def abstains(self, round: int, extras: dict) -> bool:
+        """True: sit this step out (the site has nothing to train on for it)."""
+        return False
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """What the site keeps between rounds, for an exact resume."""
+        return {"received": self.received,
+                "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+                "bn": {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items() if k in self.bn_keys}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.received = bool(state["received"])
+        load_weights(self.net, state["bn"])
+        if state["optimizer"] is not None:
+            self.optimizer = self.make_optimizer(self.net.parameters())
+            self.optimizer.load_state_dict(state["optimizer"])
+
     # ---------------------------------------------------------------- flow
     def set_train_mode(self):
         self.net.train()
@@ -129,19 +234,23 @@ class ClientRule:
 
     def receive(self, global_weights: dict) -> None:
         """Load the global model; FedBN keeps its own BN after the first round."""
-        skip = self.local_keys if self.received and self.bn_policy == "fedbn" else set()
+        skip = self.bn_keys if self.received and self.bn_policy == "fedbn" else set()
         load_weights(self.net, global_weights, skip)
         self.received = True
 
     def train(self, global_weights: dict, round: int, extras: dict | None = None) -> Update:
+        extras = extras or {}
         self.receive(global_weights)
+        if self.abstains(round, extras):
+            return Update(self.profile.site, {}, 0, dict(self.ctx.summary), {}, abstain=True)
+        self.ctx.reseed(round)
         self.set_train_mode()
-        self.begin_round(round, extras or {})
+        self.begin_round(round, extras)
         if self.optimizer is None or self.reset_optimizer:
             self.optimizer = self.make_optimizer(self.net.parameters())
         losses, n = [], 0
         for _ in range(self.epochs):
-            for batch in self.loader:
+            for batch in self.ctx.train:
                 loss = self.train_step(batch)
                 if loss is None:  # the rule skipped this batch (e.g. too small to split)
                     continue
@@ -151,18 +260,43 @@ class ClientRule:
 
     def make_update(self, n, metrics) -> Update:
         weights = {k: v for k, v in to_numpy(self.net.state_dict()).items() if k not in self.local_keys}
-        return Update(self.profile.site, weights, n, dict(self.summary), metrics)
+        return Update(self.profile.site, weights, n, dict(self.ctx.summary), metrics)
 
 
 class ServerRule:
-    """Aggregation on the server. ``aggregate`` returns the new global weights."""
+    """Aggregation on the server. ``aggregate`` returns the new global weights.
 
-    def __init__(self, **options):
-        self.options = options
+    Hooks with defaults: ``setup`` (the sites' label summaries, before round
+    0), ``plan`` (one step: every site from the global model), ``extras``
+    (nothing), ``combine`` (parallel groups: unweighted mean), and
+    ``state_dict`` / ``load_state_dict`` (no state).
+    """
+
+    def setup(self, summaries: dict) -> None:
+        """Every site's label summary (``profile.label_summary``), keyed by site, before round 0."""
+        self.summaries = dict(summaries)
+
+    def plan(self, round: int, sites: list) -> list:
+        return [Step(tuple(sites))]
+
+    def extras(self, round: int, step: Step) -> dict:
+        """Anything besides weights to broadcast to the step's sites (arrays, numbers, strings)."""
+        return {}
+
+    def extra_shapes(self, round: int, step: Step) -> dict:
+        """Shapes the sites' ``Update.extras`` must have (name -> shape); others are only checked finite."""
+        return {}
 
     def aggregate(self, updates: list, global_weights: dict, round: int) -> dict:
         raise NotImplementedError
 
-    def extras(self, round: int) -> dict:
-        """Anything besides weights to broadcast with the next round's model."""
+    def combine(self, results: list, start_weights: dict, round: int, step: Step) -> dict:
+        from .aggregate import average_keys
+
+        return average_keys([Update("", r, 1) for r in results], start_weights, [1.0] * len(results))
+
+    def state_dict(self) -> dict:
         return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass

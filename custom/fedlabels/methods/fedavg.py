@@ -1,11 +1,13 @@
-"""FedAvg and its partial-label baselines (METHODS.md "Baselines").
+"""FedAvg and its partial-label baselines (docs/methods.md "Baselines").
 
 * ``fedavg``     -- naive: a missing label (-1) counts as a negative;
 * ``fedavg_pl``  -- partial loss: BCE over annotated entries only;
 * ``fedprox``    -- FedAvg-PL + (mu/2)||w - w_global||^2;
 * ``fedbn`` / ``fedbn_plus`` -- FedAvg-PL with BN kept local / frozen.
 
-All share one server rule: every key averaged by n_k (or unweighted).
+All share one server rule: every key averaged by n_k (or unweighted), and
+every multi-label row trains with the same ``pos_weighted`` loss default
+(``ClientRule``), so the rows differ only in what their names say.
 """
 
 from __future__ import annotations
@@ -13,15 +15,16 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from ..losses import naive_bce, partial_bce
-from .base import ClientRule, ServerRule, average_keys
+from .aggregate import average_keys
+from .base import ClientRule, ServerRule
 
 
 class FedAvgClient(ClientRule):
     """``partial_loss`` False = naive (missing as negatives); ``mu`` > 0 = FedProx."""
 
-    def __init__(self, *args, partial_loss=True, mu=0.0, **kw):
-        super().__init__(*args, **kw)
-        self.partial_loss, self.mu = partial_loss, mu
+    def __init__(self, net, ctx, *, partial_loss=True, mu=0.0, **kw):
+        super().__init__(net, ctx, **kw)
+        self.partial_loss, self.mu = bool(partial_loss), float(mu)
         self.anchor = None
 
     def loss(self, logits, labels):
@@ -53,9 +56,8 @@ class FedAvgClient(ClientRule):
 class FedAvgServer(ServerRule):
     """Every key averaged by n_k (``weighted=True``) or unweighted."""
 
-    def __init__(self, weighted=True, **options):
-        super().__init__(**options)
-        self.weighted = weighted
+    def __init__(self, weighted=True):
+        self.weighted = bool(weighted)
 
     def aggregate(self, updates, global_weights, round):
         weights = [u.n if self.weighted else 1.0 for u in updates]
@@ -73,9 +75,9 @@ def _register():
     register(Method("fedprox", FedAvgClient, FedAvgServer, common, {"partial_loss": True, "mu": 0.001},
                     doc="FedProx (mu=0.001 as in FedPSL) with the partial loss"))
     register(Method("fedbn", FedAvgClient, FedAvgServer, common, {"partial_loss": True, "bn_policy": "fedbn"},
-                    doc="FedBN: batch norm stays at each site"))
+                    doc="FedBN: a site trains with its own batch norm"))
     register(Method("fedbn_plus", FedAvgClient, FedAvgServer, common, {"partial_loss": True, "bn_policy": "fedbn+"},
-                    doc="FedBN+: batch norm frozen at its initial statistics"))
+                    doc="FedBN+: batch norm frozen at pretrained statistics (needs init_ckpt)"))
 
 
 _register()

@@ -1,4 +1,4 @@
-"""FedPSL (Dong et al.; METHODS.md "FedPSL"): TDMA aggregation + TADL local training.
+"""FedPSL (Dong et al.; docs/methods.md "FedPSL"): TDMA aggregation + TADL local training.
 
 The model is ``g_phi ∘ f_theta``: phi = the head (``net.head_name``, the last
 ``nn.Linear``), theta = every other trainable parameter.
@@ -52,9 +52,8 @@ TADL -- task-agnostic decoupling learning (Algorithm 1), ``FedPSLClient(tadl=Tru
 
 Loss: BCE over the annotated entries only (``partial_bce``), each class's
 positives weighted by N_neg / N_pos over the site's training cases annotated
-for it (``pos_weighted``, default True; the ``pos_weight`` argument if given,
-else computed from the label summary the client holds, see
-``pos_weight_from_summary``).
+for it (``pos_weighted``, the shared default of every multi-label method,
+``losses.pos_weight_from_counts``).
 
 Registered: "fedpsl" (TDMA + TADL), "fedpsl_tdma" (TDMA + the plain
 pos-weighted partial BCE client), "fedpsl_tadl" (n_k-weighted FedAvg of every
@@ -65,48 +64,25 @@ alpha = beta = 1e-3, aggregation every E = 10 local epochs.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch.func import functional_call
 
 from ..losses import partial_bce
-from .base import ClientRule
+from .aggregate import meta_vector
+from .base import ANNOTATED, LABELED_MASK, ClientRule, make_optimizer
 from .fedavg import FedAvgServer
-from .surgical import HeadMetaMixin, SurgicalServer, _optimizer, meta_vector
-
-
-def pos_weight_from_summary(summary: dict, min_pos: int = 1) -> np.ndarray:
-    """Per-class N_neg / N_pos from a label summary (``profile.label_summary``).
-
-    N_pos / N_neg count the site's cases annotated positive / negative for the
-    class. Classes with fewer than ``min_pos`` positives, not annotated, or
-    without negatives get 1 (same rule as ``losses.pos_weights``).
-    """
-    for key in ("annotated", "positives"):
-        if key not in summary:
-            raise ValueError(f"the label summary has no {key!r}: pos_weight needs the site's per-class counts")
-    annotated = np.asarray(summary["annotated"], dtype=np.float64)
-    pos = np.asarray(summary["positives"], dtype=np.float64)
-    neg = annotated - pos
-    w = np.where(pos >= min_pos, neg / np.maximum(pos, 1), 1.0)
-    return np.where(w > 0, w, 1.0).astype(np.float32)
+from .surgical import HeadMetaMixin, SurgicalServer
 
 
 class FedPSLClient(HeadMetaMixin, ClientRule):
     """TADL (``tadl=True``) or plain joint training (``tadl=False``) with the
     pos-weighted partial BCE."""
 
-    def __init__(self, *args, tadl=True, first_order=False, meta_lr=None, inner_lr=None, pos_weighted=True, **kw):
-        super().__init__(*args, **kw)
+    def __init__(self, net, ctx, *, tadl=True, first_order=False, meta_lr=None, inner_lr=None, **kw):
+        super().__init__(net, ctx, **kw)
         self.tadl, self.first_order = bool(tadl), bool(first_order)
         self.meta_lr = self.lr if meta_lr is None else float(meta_lr)
         self.inner_lr = self.lr if inner_lr is None else float(inner_lr)
-        self.pos_weighted = bool(pos_weighted)
-        if not self.pos_weighted:
-            self.pos_weight = None
-        elif self.pos_weight is None:
-            self.pos_weight = torch.as_tensor(pos_weight_from_summary(self.summary), dtype=torch.float32,
-                                              device=self.device)
 
     def loss(self, logits, labels):
         if self.profile.task != "multilabel":
@@ -130,7 +106,7 @@ class FedPSLClient(HeadMetaMixin, ClientRule):
             return super().make_optimizer(params)
         theta, phi = self.split_parameters()
         groups = [{"params": list(phi.values()), "lr": self.lr}, {"params": list(theta.values()), "lr": self.meta_lr}]
-        return _optimizer(self.optimizer_name, groups, self.lr, self.weight_decay)
+        return make_optimizer(self.optimizer_name, groups, self.lr, self.weight_decay)
 
     def train_step(self, batch):
         if not self.tadl:
@@ -180,15 +156,15 @@ class FedPSLClient(HeadMetaMixin, ClientRule):
 class TDMAServer(SurgicalServer):
     """Eq. 9: features by n_k, head row c by n_k^c (the Surgical server with other weights)."""
 
-    def __init__(self, head_name=None, **options):
-        super().__init__(weighted=True, head_name=head_name, **options)
+    def __init__(self, head_name=None):
+        super().__init__(weighted=True, head_name=head_name)
 
     def head_weights(self, updates, c):
         weights = []
         for u in updates:
-            n_kc = meta_vector(u, "annotated", c)
-            if "labeled_mask" in u.meta:
-                n_kc = n_kc * (meta_vector(u, "labeled_mask", c) > 0)
+            n_kc = meta_vector(u, ANNOTATED, c)
+            if LABELED_MASK in u.meta:
+                n_kc = n_kc * (meta_vector(u, LABELED_MASK, c) > 0)
             weights.append(n_kc)
         return weights
 
@@ -201,7 +177,7 @@ def _register():
                     doc="FedPSL: TDMA aggregation + TADL meta-learned features"))
     register(Method("fedpsl_tdma", FedPSLClient, TDMAServer, task, {"tadl": False},
                     doc="FedPSL ablation 'w/ TDMA': class-wise head by n_k^c, plain local training"))
-    register(Method("fedpsl_tadl", FedPSLClient, FedAvgServer, task, {"tadl": True, "weighted": True},
+    register(Method("fedpsl_tadl", FedPSLClient, FedAvgServer, task, {"tadl": True}, {"weighted": True},
                     doc="FedPSL ablation 'w/ TADL': FedAvg by n_k, TADL local training"))
 
 

@@ -1,4 +1,4 @@
-"""One site's training setup, read from a MONAI bundle.
+"""One site: its training setup read from a MONAI bundle, and its task in a round.
 
 The bundle supplies the network definition and the transforms (its
 ``network_def``, ``train#preprocessing``, ``validate#preprocessing``); the
@@ -18,8 +18,9 @@ from monai.bundle import ConfigParser
 from monai.data import CacheDataset, DataLoader
 
 from . import bundle_data
+from .methods.base import SiteContext, Update, site_seed
 from .metrics import multiclass_metrics, multilabel_metrics
-from .profile import Scenario, SiteData, load_scenario
+from .profile import Scenario, SiteData, load_scenario, write_atomic
 
 
 def read_bundle(bundle, dataset_dir, **overrides) -> ConfigParser:
@@ -40,6 +41,11 @@ class SiteSetup:
     val_loader: DataLoader | None
     classes: tuple
     task: str
+    seed: int = 0
+    device: str = "cpu"
+
+    def context(self) -> SiteContext:
+        return SiteContext(self.site.profile, self.train_loader, self.site.summary(), self.val_loader, self.seed, self.device)
 
 
 def _loader(items, transform, batch_size, shuffle, seed):
@@ -56,7 +62,10 @@ def _items(site: SiteData, split: str, oracle: bool):
 
 def setup_site(bundle, dataset_dir, site_name: str, *, batch_size=None, seed=0, device="cpu", oracle=False,
                network_overrides: dict | None = None) -> SiteSetup:
-    """Validate the site's data, build the bundle's network and the site's loaders."""
+    """Validate the site's data, build the bundle's network and the site's loaders.
+
+    ``seed`` is the run's seed; the site's own (``site_seed``) drives its loaders."""
+    seed = site_seed(seed, site_name)
     scenario = load_scenario(dataset_dir, sites=[site_name], with_test=False)
     site = scenario.site(site_name)
     parser = read_bundle(bundle, dataset_dir, site=site_name, class_names=list(scenario.classes))
@@ -73,7 +82,7 @@ def setup_site(bundle, dataset_dir, site_name: str, *, batch_size=None, seed=0, 
     train_loader = _loader(_items(site, "training", oracle), train_tf, bs, True, seed)
     val_items = _items(site, "validation", oracle)
     val_loader = _loader(val_items, val_tf, bs, False, seed) if val_items else None
-    return SiteSetup(scenario, site, net, train_loader, val_loader, scenario.classes, scenario.task)
+    return SiteSetup(scenario, site, net, train_loader, val_loader, scenario.classes, scenario.task, seed, device)
 
 
 def test_loader(bundle, dataset_dir, batch_size=64) -> DataLoader:
@@ -123,3 +132,34 @@ def flat_metrics(metrics: dict, prefix="val_") -> dict:
                 out[f"{prefix}{key}/{cls}"] = float(vals[key])
     return out
 
+
+
+def train_task(client, setup: SiteSetup, weights: dict, rnd: int, extras: dict) -> Update:
+    """A site's part of a round: score the received model on local validation
+    data (for best-model selection), then run the method's client rule."""
+    client.receive(weights)
+    received = flat_metrics(evaluate(client.net, setup.val_loader, setup.task, setup.classes, setup.device))
+    update = client.train(weights, rnd, extras)
+    update.metrics.update(received)
+    return update
+
+
+def save_state(path, client, rnd: int) -> None:
+    """The client rule's state after round ``rnd``, written atomically (exact resume)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"round": rnd, "state": client.state_dict()}, buf)
+    write_atomic(Path(path), buf.getvalue())
+
+
+def load_state(path, client, before: int) -> None:
+    """Restore the state a site saved in the last round it trained, which must precede round ``before``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no saved site state to resume from")
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    if saved["round"] >= before:
+        raise ValueError(f"{path}: field 'round': the saved site state is of round {saved['round']}, "
+                         f"not before the resumed round {before}")
+    client.load_state_dict(saved["state"])

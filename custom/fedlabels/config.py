@@ -1,0 +1,106 @@
+"""One typed configuration per run, read by the server and by every site.
+
+A job carries it as ``fedlabels.json`` (JSON keeps types: ``5e-05`` stays a
+float). Both sides call ``RunConfig.load`` and ``validate`` before round 0;
+a wrong field fails with the file and field named.
+
+    {"method": "surgical", "bundle": "cxr_densenet121",
+     "client": {"lr": 0.001, "warmup_epochs": 3}, "server": {"weighted": false},
+     "network": {"out_channels": 6}, "data": {"family": "cxr", "synth": {"cases": 40}, "batch_size": null},
+     "seed": 0, "key_metric": null, "min_sites": 1}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .profile import write_json_atomic
+
+FILE = "fedlabels.json"
+
+# The validation metric that picks the best model, per task (mean over sites).
+KEY_METRICS = {"multilabel": "val_auroc", "multiclass": "val_accuracy", "segmentation": "val_dice"}
+
+
+class ConfigError(ValueError):
+    def __init__(self, path, field_name, message):
+        super().__init__(f"{path}: field {field_name!r}: {message}")
+
+
+@dataclass
+class RunConfig:
+    method: str
+    bundle: str = "cxr_densenet121"
+    client: dict = field(default_factory=dict)   # the client rule's named options
+    server: dict = field(default_factory=dict)   # the server rule's named options
+    network: dict = field(default_factory=dict)  # the bundle's network_def overrides
+    data: dict = field(default_factory=dict)     # family, synth (embedded-data options), batch_size
+    seed: int = 0
+    key_metric: str | None = None                # None: the task's default (KEY_METRICS)
+    min_sites: int = 1
+    faults: list = field(default_factory=list)   # fault drills "SITE:KIND:ROUND" (flare/client.py)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path) -> Path:
+        path = Path(path)
+        write_json_atomic(path, self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, path) -> "RunConfig":
+        path = Path(path)
+        try:
+            doc = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: the run configuration is missing") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(path, "(file)", f"not valid JSON: {e}") from None
+        return cls.from_json(doc, path)
+
+    @classmethod
+    def from_json(cls, doc: dict, path="<config>") -> "RunConfig":
+        if not isinstance(doc, dict):
+            raise ConfigError(path, "(file)", "expected a JSON object")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(doc) - set(known))
+        if unknown:
+            raise ConfigError(path, unknown[0], f"unknown field; fields are {sorted(known)}")
+        if "method" not in doc:
+            raise ConfigError(path, "method", "missing")
+        types = {"method": str, "bundle": str, "client": dict, "server": dict, "network": dict, "data": dict,
+                 "seed": int, "min_sites": int, "faults": list}
+        for name, typ in types.items():
+            if name in doc and not isinstance(doc[name], typ) or isinstance(doc.get(name), bool) and typ is int:
+                raise ConfigError(path, name, f"expected {typ.__name__}, got {type(doc[name]).__name__}")
+        if doc.get("key_metric") is not None and not isinstance(doc["key_metric"], str):
+            raise ConfigError(path, "key_metric", "expected a string or null")
+        cfg = cls(**doc)
+        cfg._path = str(path)
+        return cfg
+
+    def validate(self, side: str) -> None:
+        """Check the method and the options of ``side`` ("server" or "client") by name."""
+        from . import methods
+
+        path = getattr(self, "_path", "<config>")
+        try:
+            method = methods.get(self.method)
+        except ValueError as e:
+            raise ConfigError(path, "method", str(e)) from None
+        try:
+            if side == "server":
+                method.server_options(**self.server)
+            else:
+                method.client_options(**self.client)
+        except ValueError as e:
+            raise ConfigError(path, side, str(e)) from None
+        if self.min_sites < 1:
+            raise ConfigError(path, "min_sites", "must be >= 1")
+
+    def metric(self, task: str) -> str:
+        return self.key_metric or KEY_METRICS[task]

@@ -1,0 +1,95 @@
+"""Aggregation arithmetic shared by the server rules (pure NumPy).
+
+Weights travel as ``dict[str, np.ndarray]`` (a state dict). Every mean is
+taken in float64 and cast back to the key's dtype; integer buffers (batch
+norm's ``num_batches_tracked``) are rounded to the nearest integer, never
+truncated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import HEAD_NAME
+
+
+def weighted_mean(arrays: list, weights) -> np.ndarray:
+    """sum_k w_k a_k / sum_k w_k in float64, cast back to the first array's dtype (integers rounded)."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.sum() <= 0:
+        raise ValueError("weights sum to zero")
+    out = sum(wi * np.asarray(a, dtype=np.float64) for wi, a in zip(w, arrays)) / w.sum()
+    dtype = np.asarray(arrays[0]).dtype
+    return (np.rint(out) if np.issubdtype(dtype, np.integer) else out).astype(dtype)
+
+
+def average_keys(updates: list, global_weights: dict, weights) -> dict:
+    """Weighted mean of every key of ``global_weights``; a key no update sent keeps its global value."""
+    out = dict(global_weights)
+    for key in global_weights:
+        have = [(u.weights[key], w) for u, w in zip(updates, weights) if key in u.weights]
+        if have:
+            out[key] = weighted_mean([a for a, _ in have], [w for _, w in have])
+    return out
+
+
+def head_param_keys(head_name: str, keys) -> list:
+    """The state-dict keys of the head among ``keys`` (weight, and bias if any)."""
+    return [k for k in (f"{head_name}.weight", f"{head_name}.bias") if k in keys]
+
+
+def resolve_head_name(updates: list, head_name: str | None = None) -> str:
+    """The head's module name: the server option if given, else what the sites say."""
+    names = {u.meta.get(HEAD_NAME) for u in updates} - {None}
+    if head_name is not None:
+        if names - {head_name}:
+            raise ValueError(f"server option head_name={head_name!r} disagrees with the sites' {sorted(names)}")
+        return head_name
+    if len(names) != 1:
+        raise ValueError(f"class-wise head aggregation needs the head's name: every update's meta[{HEAD_NAME!r}] "
+                         f"(sent by the method's clients) or the server option head_name; got {sorted(names)}")
+    return names.pop()
+
+
+def meta_vector(update, key: str, size: int) -> np.ndarray:
+    """A per-class vector from an update's label summary, checked for length."""
+    if key not in update.meta:
+        raise ValueError(f"update from site {update.site!r} has no meta[{key!r}]: the client must send its "
+                         "label summary (fedlabels.profile.label_summary) as metadata")
+    v = np.asarray(update.meta[key], dtype=np.float64)
+    if v.shape != (size,):
+        raise ValueError(f"site {update.site!r}: meta[{key!r}] has shape {v.shape}, the head has {size} classes")
+    return v
+
+
+def classwise_head_mean(updates: list, global_weights: dict, head_name: str, class_weights: list) -> dict:
+    """Head rows averaged class by class.
+
+    ``class_weights[k][c]`` is site k's weight for class c (0 = the site does
+    not count for c). Row c of the head weight and entry c of its bias become
+    sum_k w_kc row_kc / sum_k w_kc; where every weight of c is 0 the previous
+    global row is kept. Returns the new head arrays only.
+    """
+    keys = head_param_keys(head_name, global_weights)
+    if not keys:
+        raise KeyError(f"no head keys '{head_name}.weight' / '{head_name}.bias' in the global weights")
+    w = np.stack([np.asarray(cw, dtype=np.float64) for cw in class_weights])  # K x C
+    if np.any(w < 0):
+        raise ValueError("class weights must be non-negative")
+    total = w.sum(0)  # C
+    out = {}
+    for key in keys:
+        old = np.asarray(global_weights[key])
+        if old.shape[0] != w.shape[1]:
+            raise ValueError(f"{key} has {old.shape[0]} rows but the label summaries have {w.shape[1]} classes")
+        for u in updates:
+            if key not in u.weights:
+                raise ValueError(f"site {u.site!r} did not send {key}")
+        rows = np.stack([np.asarray(u.weights[key], dtype=np.float64) for u in updates])  # K x C [x N]
+        wk = w.reshape(w.shape + (1,) * (rows.ndim - 2))
+        num = (wk * rows).sum(0)
+        have = total > 0
+        new = old.astype(np.float64).copy()
+        new[have] = num[have] / total[have].reshape((-1,) + (1,) * (rows.ndim - 2))
+        out[key] = new.astype(old.dtype)
+    return out
