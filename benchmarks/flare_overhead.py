@@ -183,7 +183,7 @@ def plain_worker(config_path: str) -> int:
     import torch
 
     from fedlabels import methods
-    from fedlabels.local import evaluate
+    from fedlabels.site import evaluate
     from fedlabels.references import federate, setups
 
     t_imported = time.time()
@@ -243,22 +243,33 @@ def measure_bytes(cfg, site_setups, methods) -> dict:
     from nvflare.app_common.utils.fl_model_utils import FLModelUtils
     from nvflare.fuel.utils import fobs
 
-    from fedlabels.methods.base import to_numpy
+    from fedlabels.methods.base import ABSTAIN, EXTRAS, N, RESUME, to_numpy
 
     flare_decomposers.register()
     common_decomposers.register()
     name, st = next(iter(site_setups.items()))
     method = methods.get(cfg["method"])
-    client = method.make_client(st.net, st.site.profile, st.train_loader, summary=st.site.summary(), **cfg["options"])
+    # One options dict in the benchmark's config: each rule takes the options it names.
+    client_names, server_names = method.client_option_names(), method.server_option_names()
+    unknown = sorted(set(cfg["options"]) - client_names - server_names)
+    if unknown:
+        raise ValueError(f"method {cfg['method']!r} has no client or server option(s) {unknown}")
+    client_opts = {k: v for k, v in cfg["options"].items() if k in client_names}
+    server_opts = {k: v for k, v in cfg["options"].items() if k in server_names}
+    client = method.make_client(st.net, st.context(), **client_opts)
     # What client.py sends after train(): the client rule's update (state dict minus local keys) + metrics + meta.
     update = client.make_update(len(st.site.training), {"train_loss": 0.5})
     metrics = {**update.metrics, "val_auroc": 0.5, **{f"val_auroc/{c}": 0.5 for c in st.classes}}
-    meta = {**update.meta, "n": update.n, "NUM_STEPS_CURRENT_ROUND": update.n}
+    meta = {**update.meta, N: update.n, ABSTAIN: update.abstain, EXTRAS: update.extras,
+            "NUM_STEPS_CURRENT_ROUND": update.n}
     sent = FLModelUtils.to_shareable(FLModel(params=update.weights, params_type=ParamsType.FULL, metrics=metrics, meta=meta))
-    server = method.make_server(**cfg["options"])
+    server = method.make_server(**server_opts)
+    server.setup({s: x.site.summary() for s, x in site_setups.items()})
+    step = server.plan(1, list(site_setups))[0]
     glob = to_numpy(st.net.state_dict())
+    # What the controller sends each site (controller.py ``_send``).
     received = FLModelUtils.to_shareable(FLModel(params=glob, params_type=ParamsType.FULL, current_round=1, total_rounds=cfg["rounds"],
-                                                 meta={"extras": server.extras(1)}))
+                                                 meta={EXTRAS: server.extras(1, step), RESUME: []}))
     buf = io.BytesIO()
     torch.save(st.net.state_dict(), buf)
     state = st.net.state_dict()

@@ -3,6 +3,7 @@ every local update rule against a short reference loop written here."""
 
 from __future__ import annotations
 
+import ast
 import math
 from pathlib import Path
 
@@ -13,16 +14,19 @@ import torch.nn.functional as F
 from torch import nn
 
 import fedlabels.methods as methods
+from fedlabels.losses import pos_weight_from_counts, pos_weights
 from fedlabels.methods import Update
-from fedlabels.methods.base import average_keys, load_weights, to_numpy, weighted_mean
-from fedlabels.methods.fedavg import FedAvgServer
-from fedlabels.methods.fedpsl import FedPSLClient, TDMAServer, pos_weight_from_summary
-from fedlabels.methods.surgical import SurgicalClient, SurgicalServer, classwise_head_mean
-from fedlabels.losses import pos_weights
+from fedlabels.methods.aggregate import average_keys, classwise_head_mean, weighted_mean
+from fedlabels.methods.base import SiteContext, load_weights, site_seed, to_numpy
+from fedlabels.methods.fedavg import FedAvgClient, FedAvgServer
+from fedlabels.methods.fedpsl import FedPSLClient, TDMAServer
+from fedlabels.methods.surgical import SurgicalClient, SurgicalServer
 from fedlabels.nets import batchnorm_keys
 from fedlabels.profile import SiteProfile, label_summary
+from fedlabels.site import load_state, save_state
 
 CLASSES = ("a", "b", "c")
+MULTILABEL = ("fedavg", "fedavg_pl", "fedprox", "fedbn", "surgical", "fedpsl", "fedpsl_tdma", "fedpsl_tadl")
 
 
 # ------------------------------------------------------------------ fixtures
@@ -45,12 +49,16 @@ class TinyNet(nn.Module):
         return self.head(self.extract(x))
 
 
-def make_net(seed=0, bn=False, dtype=torch.float32):
+def make_net(seed=0, bn=False, dtype=torch.float32, pretrained=False):
+    """``pretrained``: claim an init_ckpt, as FedBN+ requires of a net with batch norm."""
     torch.manual_seed(seed)
-    return TinyNet(bn=bn).to(dtype)
+    net = TinyNet(bn=bn).to(dtype)
+    if pretrained:
+        net.init_ckpt = "pretrained.pt"
+    return net
 
 
-def make_data(seed=0, batches=(6, 6, 6), annotated=("a", "b"), dtype=torch.float32, d=4):
+def make_data(seed=0, batches=(6, 6, 6), annotated=("a", "b"), dtype=torch.float32, d=4, p=0.4):
     """A loader (list of batches) and the matching profile and label summary."""
     g = torch.Generator().manual_seed(seed)
     profile = SiteProfile(f"site-{seed}", "multilabel", CLASSES, tuple(annotated))
@@ -58,7 +66,7 @@ def make_data(seed=0, batches=(6, 6, 6), annotated=("a", "b"), dtype=torch.float
     loader, items = [], []
     for b in batches:
         x = torch.randn(b, d, generator=g, dtype=dtype)
-        y = (torch.rand(b, len(CLASSES), generator=g) < 0.4).to(dtype)
+        y = (torch.rand(b, len(CLASSES), generator=g) < p).to(dtype)
         y[0, :] = 1  # every annotated class has a positive ...
         if b > 1:
             y[-1, :] = 0  # ... and a negative
@@ -68,6 +76,15 @@ def make_data(seed=0, batches=(6, 6, 6), annotated=("a", "b"), dtype=torch.float
     return loader, profile, label_summary(profile, items)
 
 
+def context(loader, profile, summary, seed=0):
+    return SiteContext(profile, loader, summary, seed=seed)
+
+
+def client_of(name, net, data, **options):
+    """``methods.get(name).make_client`` on the site ``data`` = (loader, profile, summary)."""
+    return methods.get(name).make_client(net, context(*data), **options)
+
+
 def state(net):
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
@@ -75,6 +92,10 @@ def state(net):
 def bce_ref(z, y, w=1.0):
     p = 1 / (1 + math.exp(-z))
     return -(w * y * math.log(p) + (1 - y) * math.log(1 - p))
+
+
+def summary_pos_weight(summary, dtype=torch.float32):
+    return torch.as_tensor(pos_weight_from_counts(summary["annotated"], summary["positives"]), dtype=dtype)
 
 
 # Three sites, three classes: "a" annotated by all, "b" by site A only, "c" by none.
@@ -110,7 +131,7 @@ def assert_arrays(out, expected):
         assert out[k].dtype == GLOBAL[k].dtype, k
 
 
-# ------------------------------------------------------------------ helpers in base
+# ------------------------------------------------------------------ aggregation helpers
 
 def test_weighted_mean_and_average_keys():
     assert weighted_mean([np.array([1.0, 2.0]), np.array([3.0, 6.0])], [1, 3]).tolist() == [2.5, 5.0]
@@ -122,6 +143,24 @@ def test_weighted_mean_and_average_keys():
     assert out["x"].tolist() == [2.0]
     assert out["only_a"].tolist() == [5.0]  # the one site that sent it
     assert out["nobody"].tolist() == [9.0]  # no site sent it: global value kept
+
+
+def test_integer_buffers_are_rounded_not_truncated():
+    nbt = [np.array(3, dtype=np.int64), np.array(4, dtype=np.int64)]
+    # (1*3 + 3*4) / 4 = 3.75, (2*3 + 3*4) / 5 = 3.6, (3 + 4) / 2 = 3.5: all 4 (truncation would give 3)
+    for weights in ([1, 3], [2, 3], [1, 1]):
+        out = weighted_mean(nbt, weights)
+        assert out.dtype == np.int64 and int(out) == 4, weights
+    assert int(weighted_mean(nbt, [3, 1])) == 3  # 3.25
+    # np.rint: halves go to the even neighbour
+    assert int(weighted_mean([np.array(2), np.array(3)], [1, 1])) == 2
+    # The same through a server rule: num_batches_tracked 3 and 4 from sites of 1 and 3 cases.
+    glob = {"bn.num_batches_tracked": np.array(0, dtype=np.int64), "w": np.zeros(1, dtype=np.float32)}
+    ups = [Update("A", {"bn.num_batches_tracked": nbt[0], "w": np.array([1.0], dtype=np.float32)}, 1),
+           Update("B", {"bn.num_batches_tracked": nbt[1], "w": np.array([2.0], dtype=np.float32)}, 3)]
+    out = FedAvgServer().aggregate(ups, glob, 0)
+    assert out["bn.num_batches_tracked"].dtype == np.int64 and int(out["bn.num_batches_tracked"]) == 4
+    assert out["w"].tolist() == [1.75]
 
 
 def test_load_weights_skips_keys():
@@ -220,6 +259,7 @@ def test_classwise_servers_fail_clearly_without_metadata():
     with pytest.raises(ValueError, match="head_name"):
         SurgicalServer().aggregate(ups, GLOBAL, 0)
     assert SurgicalServer(head_name="head").aggregate(ups, GLOBAL, 0)["head.bias"].tolist() == [3, 2, 7]
+    assert TDMAServer(head_name="head").aggregate(ups, GLOBAL, 0)["head.bias"][1] == 2
 
 
 # ------------------------------------------------------------------ losses of the clients
@@ -227,58 +267,118 @@ def test_classwise_servers_fail_clearly_without_metadata():
 def test_partial_vs_naive_loss_and_pos_weight():
     logits = torch.tensor([[0.5, -1.0, 2.0], [1.5, 0.0, -0.3]])
     target = torch.tensor([[1.0, -1.0, 0.0], [-1.0, 0.0, 1.0]])
-    _, profile, _ = make_data()
+    # A site annotating every class, with annotated = [3, 2, 4] and positives = [1, 1, 1] cases:
+    # pos_weight = N_neg / N_pos = [2, 1, 3].
+    profile = SiteProfile("s", "multilabel", CLASSES, CLASSES)
+    rows = [[1, 1, 1], [0, 0, 0], [0, -1, 0], [-1, -1, 0]]
+    summary = label_summary(profile, [{"label": r} for r in rows])
+    assert (summary["annotated"], summary["positives"]) == ([3, 2, 4], [1, 1, 1])
+    data = ([], profile, summary)
     net = make_net()
-    partial = methods.get("fedavg_pl").make_client(net, profile, [])
-    naive = methods.get("fedavg").make_client(net, profile, [])
+    partial = client_of("fedavg_pl", net, data, pos_weighted=False)
+    naive = client_of("fedavg", net, data, pos_weighted=False)
     expected_partial = (bce_ref(0.5, 1) + bce_ref(2.0, 0) + bce_ref(0.0, 0) + bce_ref(-0.3, 1)) / 4
     expected_naive = (bce_ref(0.5, 1) + bce_ref(-1.0, 0) + bce_ref(2.0, 0) + bce_ref(1.5, 0) + bce_ref(0.0, 0)
                       + bce_ref(-0.3, 1)) / 6
     assert partial.loss(logits, target).item() == pytest.approx(expected_partial, rel=1e-6)
     assert naive.loss(logits, target).item() == pytest.approx(expected_naive, rel=1e-6)
-    weighted = methods.get("fedavg_pl").make_client(net, profile, [], pos_weight=[2.0, 1.0, 3.0])
+    weighted = client_of("fedavg_pl", net, data)  # pos_weighted: the multi-label default
+    assert weighted.pos_weight.tolist() == [2.0, 1.0, 3.0]
     expected_w = (bce_ref(0.5, 1, 2.0) + bce_ref(2.0, 0) + bce_ref(0.0, 0) + bce_ref(-0.3, 1, 3.0)) / 4
     assert weighted.loss(logits, target).item() == pytest.approx(expected_w, rel=1e-6)
-    # The Surgical client uses the plain partial BCE.
-    surgical = methods.get("surgical").make_client(net, profile, [])
+    naive_w = client_of("fedavg", net, data)
+    expected_naive_w = (bce_ref(0.5, 1, 2.0) + bce_ref(-1.0, 0) + bce_ref(2.0, 0) + bce_ref(1.5, 0) + bce_ref(0.0, 0)
+                        + bce_ref(-0.3, 1, 3.0)) / 6
+    assert naive_w.loss(logits, target).item() == pytest.approx(expected_naive_w, rel=1e-6)
+    # The Surgical client: the partial BCE, with the same positive weighting.
+    surgical = client_of("surgical", net, data, pos_weighted=False)
     assert surgical.loss(logits, target).item() == pytest.approx(expected_partial, rel=1e-6)
+    assert client_of("surgical", net, data).loss(logits, target).item() == pytest.approx(expected_w, rel=1e-6)
+    # The explicit per-class array option is gone: one rule for every method.
+    with pytest.raises(ValueError, match="pos_weight"):
+        client_of("fedavg_pl", net, data, pos_weight=[2.0, 1.0, 3.0])
 
 
 def test_multiclass_loss_of_an_unlabeled_batch_is_zero_not_nan():
     profile = SiteProfile("s", "multiclass", CLASSES, CLASSES)
-    client = methods.get("fedavg").make_client(make_net(), profile, [])
+    summary = label_summary(profile, [{"label": 0}, {"label": 2}, {"label": -1}])
+    client = client_of("fedavg", make_net(), ([], profile, summary))
+    assert client.pos_weighted is False and client.pos_weight is None  # the default off a multi-label task
     logits = torch.randn(3, 3, requires_grad=True)
     loss = client.loss(logits, torch.tensor([-1, -1, -1]))
     loss.backward()
     assert loss.item() == 0 and torch.all(logits.grad == 0)
     labeled = client.loss(logits, torch.tensor([2, -1, 0]))
     assert labeled.item() == pytest.approx(F.cross_entropy(logits[[0, 2]], torch.tensor([2, 0])).item(), rel=1e-6)
+    with pytest.raises(ValueError, match="multi-label"):
+        client_of("fedavg", make_net(), ([], profile, summary), pos_weighted=True)
 
 
-def test_pos_weight_from_summary():
+def test_pos_weight_from_counts():
     labels = torch.tensor([[1, 0, -1], [0, 0, -1], [0, 1, -1], [0, 0, -1], [1, 0, -1]])
+    # a: 3 neg / 2 pos, b: 4 neg / 1 pos, c: not annotated -> 1
+    w = pos_weight_from_counts([5, 5, 0], [2, 1, 0])
+    assert w.dtype == np.float32 and w.tolist() == [1.5, 4.0, 1.0]
+    assert w.tolist() == pos_weights(labels).tolist()
+    # No positive, no negative (w would be 0), fewer positives than min_pos: weight 1.
+    assert pos_weight_from_counts([4, 3, 6], [0, 3, 2]).tolist() == [1.0, 1.0, 2.0]
+    assert pos_weight_from_counts([4, 3, 6], [0, 3, 2], min_pos=3).tolist() == [1.0, 1.0, 1.0]
+    assert pos_weights(torch.tensor([[1, 1], [0, 1], [0, 1]]), min_pos=2).tolist() == [1.0, 1.0]
+    # A client weights by its label summary's counts.
     profile = SiteProfile("s", "multilabel", CLASSES, ("a", "b"))
     summary = label_summary(profile, [{"label": row.tolist()} for row in labels])
-    w = pos_weight_from_summary(summary)
-    assert w.tolist() == [1.5, 4.0, 1.0]  # 3 neg / 2 pos, 4 neg / 1 pos, not annotated -> 1
-    assert w.tolist() == pos_weights(labels).tolist()
-    loader, profile, summary = make_data()
-    client = FedPSLClient(make_net(), profile, loader, summary=summary)
-    assert client.pos_weight.tolist() == pos_weight_from_summary(summary).tolist()
-    assert FedPSLClient(make_net(), profile, loader, summary=summary, pos_weighted=False).pos_weight is None
-    explicit = FedPSLClient(make_net(), profile, loader, summary=summary, pos_weight=[2.0, 2.0, 2.0])
-    assert explicit.pos_weight.tolist() == [2.0, 2.0, 2.0]
-    with pytest.raises(ValueError, match="annotated"):
-        FedPSLClient(make_net(), profile, loader)  # no summary, nothing to weight by
+    assert (summary["annotated"], summary["positives"]) == ([5, 5, 0], [2, 1, 0])
+    client = FedPSLClient(make_net(), context([], profile, summary))
+    assert client.pos_weighted and client.pos_weight.tolist() == [1.5, 4.0, 1.0]
+    assert FedPSLClient(make_net(), context([], profile, summary), pos_weighted=False).pos_weight is None
+
+
+def test_pos_weighted_is_one_default_for_every_multilabel_method():
+    registered = [n for n in methods.names() if "multilabel" in methods.get(n).tasks]
+    assert set(MULTILABEL) <= set(registered)
+    # Rare positives: a 1 in 12, b 2 in 12 -> pos_weight [11, 5, 1].
+    profile = SiteProfile("s", "multilabel", CLASSES, ("a", "b"))
+    g = torch.Generator().manual_seed(3)
+    y = torch.zeros(12, 3)
+    y[0, 0] = y[1, 1] = y[5, 1] = 1
+    y[:, 2] = -1
+    loader = [{"image": torch.randn(6, 4, generator=g), "label": y[:6]},
+              {"image": torch.randn(6, 4, generator=g), "label": y[6:]}]
+    summary = label_summary(profile, [{"label": r.long().tolist()} for r in y])
+    data = (loader, profile, summary)
+    pw = torch.tensor([11.0, 5.0, 1.0])
+    logits = torch.randn(12, 3, generator=g)
+    for name in registered:
+        method = methods.get(name)
+        assert "pos_weighted" in method.client_option_names(), name
+        assert "pos_weighted" not in method.client_presets, name  # nobody overrides the shared default
+        on, off = client_of(name, make_net(), data), client_of(name, make_net(), data, pos_weighted=False)
+        assert on.pos_weighted is True and off.pos_weighted is False, name
+        assert on.pos_weight.tolist() == pw.tolist() and off.pos_weight is None, name
+        for c in (on, off):
+            if getattr(c, "mu", 0) > 0:
+                c.begin_round(0, {})  # FedProx's anchor: the proximal term is 0 at the received model
+        loss_on, loss_off = on.loss(logits, y).item(), off.loss(logits, y).item()
+        if method.client_presets.get("partial_loss", True):
+            assert loss_on == pytest.approx(ref_loss(logits, y, pw).item(), rel=1e-6), name
+            assert loss_off == pytest.approx(ref_loss(logits, y, 1.0).item(), rel=1e-6), name
+        assert loss_on > loss_off + 0.1, name  # the positives count 5-11 times
+        # ... and so does what the site trains.
+        kw = {"warmup_epochs": 0} if name == "surgical" else {}
+        u_on = client_of(name, make_net(), data, lr=0.05, **kw).train(to_numpy(make_net().state_dict()), 0)
+        u_off = client_of(name, make_net(), data, lr=0.05, pos_weighted=False, **kw).train(
+            to_numpy(make_net().state_dict()), 0)
+        assert not np.allclose(u_on.weights["head.bias"], u_off.weights["head.bias"]), name
 
 
 # ------------------------------------------------------------------ FedProx
 
 def test_fedprox_proximal_term_and_gradient():
-    loader, profile, summary = make_data()
+    data = make_data()
+    loader, _, summary = data
     net = make_net()
     mu, lr = 0.5, 0.1
-    client = methods.get("fedprox").make_client(net, profile, loader, mu=mu, lr=lr, optimizer="sgd")
+    client = client_of("fedprox", net, data, mu=mu, lr=lr, optimizer="sgd")
     glob = to_numpy(net.state_dict())
     client.receive(glob)
     client.begin_round(0, {})
@@ -292,13 +392,11 @@ def test_fedprox_proximal_term_and_gradient():
     assert client.proximal_term().item() == pytest.approx(expected, rel=1e-5)
 
     # One SGD step (the first step of momentum SGD is plain SGD):
-    # w <- w - lr * (grad of the partial BCE + mu * (w - w_global)).
+    # w <- w - lr * (grad of the pos-weighted partial BCE + mu * (w - w_global)).
     batch = loader[0]
     before = state(net)
     net.zero_grad()
-    task_loss = F.binary_cross_entropy_with_logits(net(batch["image"]), batch["label"].clamp(min=0), reduction="none")
-    mask = batch["label"] >= 0
-    ((task_loss * mask).sum() / mask.sum()).backward()
+    ref_loss(net(batch["image"]), batch["label"], summary_pos_weight(summary)).backward()
     task_grads = {n: p.grad.clone() for n, p in net.named_parameters()}
     client.optimizer = client.make_optimizer(net.parameters())
     client.train_step(batch)
@@ -311,9 +409,9 @@ def test_fedprox_proximal_term_and_gradient():
 # ------------------------------------------------------------------ batch-norm policies
 
 def _bn_client(name, seed=0, **kw):
-    loader, profile, summary = make_data(seed)
-    net = make_net(bn=True)
-    return methods.get(name).make_client(net, profile, loader, summary=summary, lr=0.05, **kw), net
+    data = make_data(seed)
+    net = make_net(bn=True, pretrained=True)
+    return client_of(name, net, data, lr=0.05, **kw), net
 
 
 def test_fedavg_sends_and_averages_bn_statistics():
@@ -330,37 +428,65 @@ def test_fedavg_sends_and_averages_bn_statistics():
                                / (u1.n + u2.n), rtol=1e-6)
 
 
-def test_fedbn_keeps_bn_local_across_rounds():
+def test_fedbn_sends_bn_but_keeps_its_own_across_rounds():
     client, net = _bn_client("fedbn")
+    bn = set(batchnorm_keys(net))
+    assert client.bn_keys == bn and client.local_keys == set()  # kept at the site, yet sent
     glob = to_numpy(net.state_dict())
     glob["features.1.running_mean"] = np.full(3, 5.0, dtype=np.float32)
     client.receive(glob)  # first contact: the global BN initialises the site
     assert torch.all(net.features[1].running_mean == 5.0)
     update = client.train(glob, 0)
-    assert not set(batchnorm_keys(net)) & set(update.weights)
+    assert bn <= set(update.weights)  # sent, so the saved global model carries learned statistics
     assert "features.0.weight" in update.weights and "head.weight" in update.weights
-    local_bn = {k: v for k, v in state(net).items() if k in batchnorm_keys(net)}
+    local_bn = {k: v for k, v in state(net).items() if k in bn}
+    np.testing.assert_array_equal(update.weights["features.1.running_mean"],
+                                  local_bn["features.1.running_mean"].numpy())
+    assert not torch.all(local_bn["features.1.running_mean"] == 5.0)
     new_glob = {k: np.full_like(v, 9) for k, v in glob.items()}
     client.receive(new_glob)
     for k, v in state(net).items():
-        if k in local_bn:
+        if k in bn:
             assert torch.equal(v, local_bn[k]), k  # the site's own BN survives
         else:
             assert torch.all(v == 9), k
-    out = FedAvgServer().aggregate([update], glob, 0)
-    assert out["features.1.running_mean"].tolist() == [5.0] * 3  # the server never sees it
+    # The next round trains on from the site's own statistics: 3 batches on top of its 3, not the global 9.
+    u1 = client.train(new_glob, 1)
+    assert int(u1.weights["features.1.num_batches_tracked"]) == 6
+    # The server averages the sites' BN by n_k, like every other key.
+    other, _ = _bn_client("fedbn", seed=1)
+    u_other = other.train(glob, 0)
+    out = FedAvgServer().aggregate([update, u_other], glob, 0)
+    for k in ("features.1.running_mean", "features.1.running_var", "features.1.weight"):
+        np.testing.assert_allclose(out[k], (update.n * update.weights[k] + u_other.n * u_other.weights[k])
+                                   / (update.n + u_other.n), rtol=1e-6, err_msg=k)
 
 
 def test_fedbn_plus_freezes_bn_and_keeps_it_local():
     client, net = _bn_client("fedbn_plus")
+    bn = set(batchnorm_keys(net))
+    assert client.local_keys == bn
     glob = to_numpy(net.state_dict())
     before = state(net)
     update = client.train(glob, 0)
-    for k in batchnorm_keys(net):
+    for k in bn:
         assert torch.equal(state(net)[k], before[k]), k  # statistics and affine frozen
         assert k not in update.weights
     assert not net.features[1].training
     assert not torch.equal(net.features[0].weight, before["features.0.weight"])
+    moved = {k: v + 1 if v.dtype.kind == "f" else v for k, v in glob.items()}
+    out = FedAvgServer().aggregate([update], moved, 0)
+    for k in bn:
+        np.testing.assert_array_equal(out[k], moved[k], err_msg=k)  # the server never sees it
+
+
+def test_fedbn_plus_refuses_batch_norm_without_a_pretrained_checkpoint():
+    data = make_data()
+    for name, kw in [("fedbn_plus", {}), ("surgical", {"bn_policy": "fedbn+"}), ("fedpsl", {"bn_policy": "fedbn+"})]:
+        with pytest.raises(ValueError, match="init_ckpt"):
+            client_of(name, make_net(bn=True), data, **kw)
+        client_of(name, make_net(bn=True, pretrained=True), data, **kw)
+        client_of(name, make_net(bn=False), data, **kw)  # nothing to freeze: accepted
 
 
 # ------------------------------------------------------------------ TADL
@@ -431,15 +557,16 @@ def adam(b1=0.9, b2=0.999, eps=1e-8):
 @pytest.mark.parametrize("first_order", [False, True])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_tadl_matches_reference_loop(first_order, optimizer):
-    loader, profile, summary = make_data(batches=(6, 5, 6), dtype=torch.float64)
+    data = make_data(batches=(6, 5, 6), dtype=torch.float64)
+    loader, _, summary = data
     net = make_net(dtype=torch.float64)
     P0 = state(net)
     alpha, beta, inner = 0.3, 0.2, 0.5
-    client = FedPSLClient(net, profile, loader, summary=summary, lr=alpha, meta_lr=beta, inner_lr=inner,
+    client = FedPSLClient(net, context(*data), lr=alpha, meta_lr=beta, inner_lr=inner,
                           optimizer=optimizer, first_order=first_order)
     update = client.train(to_numpy(net.state_dict()), 0)
     assert update.n == 17 and np.isfinite(update.metrics["train_loss"])
-    pw = torch.as_tensor(pos_weight_from_summary(summary), dtype=torch.float64)
+    pw = summary_pos_weight(summary, torch.float64)
     step = momentum_sgd() if optimizer == "sgd" else adam()
     ref = ref_tadl(P0, loader, pw, alpha, beta, inner, not first_order, step)
     for k in THETA + PHI:
@@ -449,24 +576,24 @@ def test_tadl_matches_reference_loop(first_order, optimizer):
 
 
 def test_tadl_second_order_term_matters():
-    loader, profile, summary = make_data(dtype=torch.float64)
+    data = make_data(dtype=torch.float64)
     nets = []
     for first_order in (False, True):
         net = make_net(dtype=torch.float64)
-        FedPSLClient(net, profile, loader, summary=summary, lr=0.3, inner_lr=0.5, optimizer="sgd",
+        FedPSLClient(net, context(*data), lr=0.3, inner_lr=0.5, optimizer="sgd",
                      first_order=first_order).train(to_numpy(net.state_dict()), 0)
         nets.append(state(net))
     assert (nets[0]["features.0.weight"] - nets[1]["features.0.weight"]).abs().max() > 1e-4
 
 
 def test_tadl_skips_a_batch_of_one_and_updates_bn_once_per_half():
-    loader, profile, summary = make_data(batches=(6, 1))
+    data = make_data(batches=(6, 1))
     net = make_net(bn=True)
-    client = FedPSLClient(net, profile, loader, summary=summary, lr=0.05)
+    client = FedPSLClient(net, context(*data), lr=0.05)
     update = client.train(to_numpy(net.state_dict()), 0)
     assert update.n == 6
     assert net.features[1].num_batches_tracked.item() == 2  # B_train forward + B_val forward
-    frozen = FedPSLClient(make_net(bn=True), profile, loader, summary=summary, lr=0.05, bn_policy="fedbn+")
+    frozen = FedPSLClient(make_net(bn=True, pretrained=True), context(*data), lr=0.05, bn_policy="fedbn+")
     before = state(frozen.net)
     frozen.train(to_numpy(frozen.net.state_dict()), 0)
     for k in batchnorm_keys(frozen.net):
@@ -475,15 +602,16 @@ def test_tadl_skips_a_batch_of_one_and_updates_bn_once_per_half():
 
 
 def test_fedpsl_tdma_client_is_plain_pos_weighted_training():
-    loader, profile, summary = make_data(batches=(6,))
+    data = make_data(batches=(6,))
+    loader, _, summary = data
     net = make_net()
     before = state(net)
-    client = methods.get("fedpsl_tdma").make_client(net, profile, loader, summary=summary, lr=0.1, optimizer="sgd")
+    client = client_of("fedpsl_tdma", net, data, lr=0.1, optimizer="sgd")
     client.train(to_numpy(net.state_dict()), 0)
     ref = make_net()
     ref.load_state_dict(before)
     x, y = loader[0]["image"], loader[0]["label"]
-    loss = ref_loss(ref(x), y, torch.as_tensor(pos_weight_from_summary(summary)))
+    loss = ref_loss(ref(x), y, summary_pos_weight(summary))
     grads = torch.autograd.grad(loss, list(ref.parameters()))
     for (k, p), g in zip(ref.named_parameters(), grads):
         torch.testing.assert_close(net.state_dict()[k], p.detach() - 0.1 * g, atol=1e-6, rtol=0)
@@ -492,9 +620,9 @@ def test_fedpsl_tdma_client_is_plain_pos_weighted_training():
 # ------------------------------------------------------------------ Surgical client
 
 def test_surgical_warmup_trains_only_the_head_once():
-    loader, profile, summary = make_data()
+    data = make_data()
     net = make_net(bn=True)
-    client = SurgicalClient(net, profile, loader, summary=summary, warmup_epochs=3, warmup_lr=0.1)
+    client = SurgicalClient(net, context(*data), warmup_epochs=3, warmup_lr=0.1)
     client.receive(to_numpy(net.state_dict()))
     client.set_train_mode()
     before = state(net)
@@ -508,43 +636,178 @@ def test_surgical_warmup_trains_only_the_head_once():
     assert torch.equal(after["head.weight"][2], before["head.weight"][2])
     assert torch.equal(after["head.bias"][2], before["head.bias"][2])
     assert net.training and net.features[1].training  # back in train mode
+    assert client.warmed_up
     client.begin_round(1, {})  # only once
     assert all(torch.equal(state(net)[k], after[k]) for k in after)
     assert client.warmup_loss is not None and np.isfinite(client.warmup_loss)
 
 
-def test_surgical_client_round_flow_and_feature_rule():
-    loader, profile, summary = make_data()
+def test_surgical_warmup_matches_reference_loop():
+    """Adam on the head alone, features computed by the frozen backbone in inference mode."""
+    data = make_data(batches=(6, 5, 6), dtype=torch.float64)
+    loader, _, summary = data
+    net = make_net(bn=True, dtype=torch.float64)
+    with torch.no_grad():  # statistics that differ from a fresh BN, so inference mode matters
+        net.features[1].running_mean.fill_(0.3)
+        net.features[1].running_var.fill_(2.0)
+    P0 = state(net)
+    epochs, lr = 2, 0.1
+    client = SurgicalClient(net, context(*data), warmup_epochs=epochs, warmup_lr=lr)
+    client.receive(to_numpy(net.state_dict()))
+    client.begin_round(0, {})
+
+    pw = summary_pos_weight(summary, torch.float64)
+    W, b = P0["head.weight"], P0["head.bias"]
+    bn_eval = lambda z: (z - P0["features.1.running_mean"]) / torch.sqrt(P0["features.1.running_var"] + 1e-5) \
+        * P0["features.1.weight"] + P0["features.1.bias"]  # noqa: E731
+    step, losses = adam(), []
+    for _ in range(epochs):
+        for batch in loader:
+            feats = torch.tanh(bn_eval(batch["image"] @ P0["features.0.weight"].T + P0["features.0.bias"]))
+            w_, b_ = W.clone().requires_grad_(True), b.clone().requires_grad_(True)
+            loss = ref_loss(feats @ w_.T + b_, batch["label"], pw)
+            gw, gb = torch.autograd.grad(loss, [w_, b_])
+            W, b = step("w", gw, lr, W), step("b", gb, lr, b)
+            losses.append(loss.item())
+    torch.testing.assert_close(net.head.weight.detach(), W, atol=1e-6, rtol=0)
+    torch.testing.assert_close(net.head.bias.detach(), b, atol=1e-6, rtol=0)
+    assert client.warmup_loss == pytest.approx(np.mean(losses), rel=1e-6)
+    for k in P0:
+        if k.startswith("features."):
+            assert torch.equal(net.state_dict()[k], P0[k]), k
+
+
+def test_surgical_client_round_flow_and_bn_policy():
+    data = make_data()
     net = make_net(bn=True)
-    client = methods.get("surgical").make_client(net, profile, loader, summary=summary, warmup_epochs=1, lr=0.01)
+    client = client_of("surgical", net, data, warmup_epochs=1, lr=0.01)
     glob = to_numpy(net.state_dict())
     u0 = client.train(glob, 0)
     assert "warmup_loss" in u0.metrics and u0.meta["head_name"] == "head"
     assert u0.meta["labeled_mask"] == [True, True, False]
     assert "warmup_loss" not in client.train(glob, 1).metrics
-    fedbn = methods.get("surgical").make_client(make_net(bn=True), profile, loader, feature_rule="fedbn")
-    assert fedbn.bn_policy == "fedbn" and fedbn.local_keys == set(batchnorm_keys(fedbn.net))
-    plus = methods.get("surgical").make_client(make_net(bn=True), profile, loader, feature_rule="fedbn+")
-    assert plus.bn_policy == "fedbn+"
-    with pytest.raises(ValueError):
-        methods.get("surgical").make_client(make_net(), profile, loader, feature_rule="fedbn", bn_policy="fedavg")
-    with pytest.raises(ValueError):
-        methods.get("surgical").make_client(make_net(), profile, loader, feature_rule="fedprox")
+    # The paper's feature rule f is the client's bn_policy.
+    bn = set(batchnorm_keys(net))
+    plain = client_of("surgical", make_net(bn=True), data)
+    assert plain.bn_policy == "fedavg" and plain.bn_keys == set() and plain.local_keys == set()
+    fedbn = client_of("surgical", make_net(bn=True), data, bn_policy="fedbn")
+    assert fedbn.bn_policy == "fedbn" and fedbn.bn_keys == bn and fedbn.local_keys == set()
+    plus = client_of("surgical", make_net(bn=True, pretrained=True), data, bn_policy="fedbn+")
+    assert plus.bn_policy == "fedbn+" and plus.local_keys == bn
+    u = plus.train(glob, 0)
+    assert not bn & set(u.weights) and "head.weight" in u.weights
+    with pytest.raises(ValueError, match="bn_policy"):
+        client_of("surgical", make_net(), data, bn_policy="fedprox")
+    with pytest.raises(ValueError, match="feature_rule"):  # the removed option fails by name
+        client_of("surgical", make_net(), data, feature_rule="fedbn")
+
+
+# ------------------------------------------------------------------ client lifecycle
+
+def test_abstaining_client_sends_nothing():
+    class Picky(FedAvgClient):
+        def abstains(self, round, extras):
+            return bool(extras.get("skip"))
+
+    data = make_data()
+    net = make_net()
+    client = Picky(net, context(*data), lr=0.1)
+    glob = {k: np.full_like(v, 0.25) for k, v in to_numpy(net.state_dict()).items()}
+    u = client.train(glob, 0, {"skip": True})
+    assert u.abstain is True and u.n == 0 and u.weights == {} and u.site == "site-0"
+    assert u.meta["labeled_mask"] == [True, True, False]  # still identifies itself
+    assert all(torch.all(v == 0.25) for v in net.state_dict().values())  # received, not trained
+    assert client.optimizer is None
+    u = client.train(glob, 1, {})
+    assert not u.abstain and u.n == 18 and set(u.weights) == set(glob)
+
+
+def test_reseed_draws_the_same_per_site_and_round():
+    profile = SiteProfile("s", "multilabel", CLASSES, CLASSES)
+    loader = torch.utils.data.DataLoader(list(range(20)), batch_size=20, shuffle=True, generator=torch.Generator())
+    ctx = SiteContext(profile, loader, {}, seed=7)
+    orders, draws = [], []
+    for rnd in (3, 3, 4):
+        ctx.reseed(rnd)
+        assert torch.initial_seed() == (7 * 1_000_003 + rnd) % 2**31
+        draws.append(torch.rand(3))
+        orders.append(next(iter(loader)).tolist())
+    assert orders[0] == orders[1] and torch.equal(draws[0], draws[1])
+    assert orders[0] != orders[2]
+    assert site_seed(0, "site-1") == site_seed(0, "site-1") != site_seed(0, "site-2")
+    assert site_seed(5, "site-1") == site_seed(0, "site-1") + 5
+
+
+_FEDBN_PLUS_RESUME = pytest.mark.xfail(
+    strict=True, raises=ValueError,
+    reason="ClientRule.load_state_dict builds the optimizer before the fedbn+ freeze, so the saved "
+           "optimizer (BN parameters left out) does not match its parameter groups")
+
+
+@pytest.mark.parametrize("name", [
+    "fedavg", "fedavg_pl", "fedprox", "fedbn", pytest.param("fedbn_plus", marks=_FEDBN_PLUS_RESUME),
+    "surgical", "fedpsl", "fedpsl_tdma", "fedpsl_tadl"])
+def test_client_state_round_trip_resumes_exactly(name, tmp_path):
+    """A site rebuilt from its saved state (site.save_state / load_state) trains round 1
+    exactly as the one that never stopped."""
+    data = make_data(1, batches=(6, 6))
+    opts = {"lr": 0.05, **({"warmup_epochs": 2} if name == "surgical" else {})}
+    glob = to_numpy(make_net(seed=9, bn=True).state_dict())
+    first = client_of(name, make_net(seed=1, bn=True, pretrained=True), data, **opts)
+    first.train(glob, 0)
+    saved = first.state_dict()
+    if name == "surgical":
+        assert saved["warmed_up"] is True
+    assert saved["received"] is True and saved["optimizer"] is not None
+    save_state(tmp_path / "site.pt", first, 0)
+    glob1 = {k: v + (0.01 if v.dtype.kind == "f" else 0) for k, v in glob.items()}  # a "new global model"
+    resumed = client_of(name, make_net(seed=2, bn=True, pretrained=True), data, **opts)
+    with pytest.raises(ValueError, match="round"):
+        load_state(tmp_path / "site.pt", resumed, before=0)  # a state of round 0 cannot resume round 0
+    load_state(tmp_path / "site.pt", resumed, before=1)
+    a, b = first.train(glob1, 1), resumed.train(glob1, 1)
+    assert set(a.weights) == set(b.weights) and a.n == b.n
+    for k in a.weights:
+        np.testing.assert_allclose(a.weights[k], b.weights[k], atol=1e-7, rtol=0, err_msg=k)
+    assert a.metrics == b.metrics
 
 
 # ------------------------------------------------------------------ registry and rounds
 
 def test_registry_has_the_methods_and_checks_options():
-    assert {"fedavg", "fedavg_pl", "fedprox", "fedbn", "fedbn_plus", "surgical", "fedpsl", "fedpsl_tdma",
-            "fedpsl_tadl"} <= set(methods.names())
-    assert methods.get("fedpsl").options()["tadl"] is True
-    assert methods.get("fedpsl_tdma").options()["tadl"] is False
+    assert set(MULTILABEL) | {"fedbn_plus"} <= set(methods.names())
+    assert methods.get("fedpsl").client_options()["tadl"] is True
+    assert methods.get("fedpsl_tdma").client_options()["tadl"] is False
     assert methods.get("fedpsl_tadl").server is FedAvgServer
     assert isinstance(methods.get("fedpsl_tadl").make_server(), FedAvgServer)
     assert methods.get("fedpsl_tadl").make_server().weighted is True
     assert methods.get("surgical").make_server().weighted is False
     with pytest.raises(ValueError, match="warmup_epoch"):
-        methods.get("surgical").options(warmup_epoch=3)
+        methods.get("surgical").client_options(warmup_epoch=3)
+    # Option names are the rule's keyword arguments, followed up the MRO through **kw.
+    surgical = methods.get("surgical")
+    assert {"warmup_epochs", "warmup_lr", "lr", "epochs", "optimizer", "bn_policy", "pos_weighted",
+            "reset_optimizer", "weight_decay"} <= surgical.client_option_names()
+    assert not {"net", "ctx", "kw", "self"} & surgical.client_option_names()
+    assert {"tadl", "first_order", "meta_lr", "inner_lr", "pos_weighted"} <= methods.get("fedpsl").client_option_names()
+    assert surgical.server_option_names() == {"weighted", "head_name"}
+    assert methods.get("fedpsl").server_option_names() == {"head_name"}
+    assert methods.get("fedavg").server_option_names() == {"weighted"}
+
+
+@pytest.mark.parametrize("name", ["fedpsl", "fedpsl_tdma"])
+def test_tdma_servers_reject_weighted_by_name(name):
+    with pytest.raises(ValueError, match="weighted"):  # an option error, not a TypeError
+        methods.get(name).make_server(weighted=False)
+    assert methods.get(name).make_server(head_name="head").head_name == "head"
+
+
+@pytest.mark.parametrize("name", ["surgical", "fedpsl"])
+def test_removed_feature_rule_option_fails_by_name(name):
+    with pytest.raises(ValueError, match="feature_rule"):
+        methods.get(name).make_server(feature_rule="fedbn")
+    with pytest.raises(ValueError, match="feature_rule"):
+        methods.get(name).client_options(feature_rule="fedbn")
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fedavg_pl", "fedprox", "fedbn", "fedbn_plus", "surgical", "fedpsl",
@@ -555,21 +818,30 @@ def test_two_rounds_two_sites(name):
     glob = to_numpy(net0.state_dict())
     clients = []
     for seed, annotated in [(1, ("a", "b")), (2, ("a",))]:
-        loader, profile, summary = make_data(seed, batches=(6, 6), annotated=annotated)
-        net = make_net(seed=seed, bn=True)
-        clients.append(method.make_client(net, profile, loader, summary=summary, lr=0.01, warmup_epochs=1)
-                       if name == "surgical" else method.make_client(net, profile, loader, summary=summary, lr=0.01))
+        data = make_data(seed, batches=(6, 6), annotated=annotated)
+        net = make_net(seed=seed, bn=True, pretrained=True)
+        opts = {"lr": 0.01, **({"warmup_epochs": 1} if name == "surgical" else {})}
+        clients.append(method.make_client(net, context(*data, seed=seed), **opts))
     server = method.make_server()
+    server.setup({c.profile.site: c.ctx.summary for c in clients})
     for rnd in range(2):
-        updates = [c.train(glob, rnd) for c in clients]
+        updates = [c.train(glob, rnd, server.extras(rnd, server.plan(rnd, ["site-1", "site-2"])[0])) for c in clients]
         assert all(np.isfinite(u.metrics["train_loss"]) for u in updates)
         glob = server.aggregate(updates, glob, rnd)
         assert set(glob) == set(net0.state_dict())
+        assert all(np.isfinite(v).all() for v in glob.values())
     if name in ("surgical", "fedpsl", "fedpsl_tdma"):  # class "c": nobody annotates it
         np.testing.assert_array_equal(glob["head.weight"][2], net0.head.weight[2].detach().numpy())
 
 
 def test_methods_do_not_import_nvflare():
     folder = Path(methods.__file__).parent
-    for path in folder.glob("*.py"):
-        assert "nvflare" not in path.read_text(), path
+    for path in list(folder.glob("*.py")) + [folder.parent / "engine.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            assert not any(n.split(".")[0] == "nvflare" for n in names), (path, names)
