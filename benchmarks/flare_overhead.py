@@ -191,12 +191,12 @@ def plain_worker(config_path: str) -> int:
     t_setup = time.time()
     stamps, cpu_stamps = [], []
 
-    def stamp(msg):
+    def stamp(record, weights):
         stamps.append(time.time())
         cpu_stamps.append(time.process_time())
 
     c_setup = time.process_time()
-    federate(cfg["method"], site_setups, cfg["rounds"], seed=0, log=stamp, **cfg["options"])
+    federate(cfg["method"], site_setups, cfg["rounds"], seed=0, log=None, on_round=stamp, client_options=cfg["options"])
     t_trained = time.time()
     rounds = [b - a for a, b in zip([t_setup] + stamps[:-1], stamps)]
     rounds_cpu = [b - a for a, b in zip([c_setup] + cpu_stamps[:-1], cpu_stamps)]

@@ -84,8 +84,15 @@ def job_runs(tmp_path_factory, data):
     return get
 
 
-@pytest.mark.parametrize("name", sorted(JOBS))
-def test_every_job_runs_in_the_simulator(name, job_runs, data):
+CXR = sorted(name for name, spec in JOBS.items() if spec.family == "cxr")
+
+
+def test_every_task_has_a_job():
+    assert {spec.family for spec in JOBS.values()} == {"cxr", "medmnist", "lesion"}
+
+
+@pytest.mark.parametrize("name", CXR)
+def test_every_cxr_job_runs_in_the_simulator(name, job_runs, data):
     run_dir, log = job_runs(name)
     recs = rounds(run_dir)
     assert [r["round"] for r in recs] == [0, 1]
@@ -110,6 +117,25 @@ def test_every_job_runs_in_the_simulator(name, job_runs, data):
     # the global model reloads into the bundle's network and scores on the test split
     metrics = evaluate_global(run_dir, REPO / "bundles" / JOBS[name].bundle, data, "last")
     assert 0.0 <= metrics["auroc"] <= 1.0
+
+
+@pytest.mark.parametrize("name, options, metric", [
+    ("fedavg_medmnist", {"cases": 48, "test_cases": 16}, "accuracy"),
+    ("fedavg_lesion", {"cases": 12, "test_cases": 8}, "dice"),
+])
+def test_multiclass_and_segmentation_jobs_run_in_the_simulator(name, options, metric, tmp_path):
+    spec = JOBS[name]
+    family_data = generate(spec.family, tmp_path / spec.family, seed=0, sites=2, **options)
+    run_dir, log = run(spec, tmp_path, family_data)
+    recs = rounds(run_dir)
+    assert [r["round"] for r in recs] == [0, 1] and all(r["aggregated"] and not r["dropped"] for r in recs)
+    # sites with nothing a supervised method can learn from abstain (weight 0), they do not fail
+    assert recs[0]["abstained"] == ["site-2"] and recs[0]["sites"]["site-2"]["n"] == 0
+    assert recs[0]["sites"]["site-1"]["n"] > 0
+    cross = json.loads((run_dir / "cross_site_eval.json").read_text())
+    assert 0.0 <= cross["site-1"][metric] <= 1.0
+    assert f"val_{metric}" in recs[1]["sites"]["site-1"]  # the task's key metric picks the best model
+    assert evaluate_global(run_dir, REPO / "bundles" / spec.bundle, family_data, "best")[metric] is not None
 
 
 def test_same_seed_same_metrics(tmp_path, data, job_runs):

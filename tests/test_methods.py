@@ -738,14 +738,10 @@ def test_reseed_draws_the_same_per_site_and_round():
     assert site_seed(5, "site-1") == site_seed(0, "site-1") + 5
 
 
-_FEDBN_PLUS_RESUME = pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="ClientRule.load_state_dict builds the optimizer before the fedbn+ freeze, so the saved "
-           "optimizer (BN parameters left out) does not match its parameter groups")
 
 
 @pytest.mark.parametrize("name", [
-    "fedavg", "fedavg_pl", "fedprox", "fedbn", pytest.param("fedbn_plus", marks=_FEDBN_PLUS_RESUME),
+    "fedavg", "fedavg_pl", "fedprox", "fedbn", "fedbn_plus",
     "surgical", "fedpsl", "fedpsl_tdma", "fedpsl_tadl"])
 def test_client_state_round_trip_resumes_exactly(name, tmp_path):
     """A site rebuilt from its saved state (site.save_state / load_state) trains round 1

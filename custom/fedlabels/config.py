@@ -88,6 +88,8 @@ class RunConfig:
         from . import methods
 
         path = getattr(self, "_path", "<config>")
+        if side not in ("server", "client"):
+            raise ValueError(f"side must be 'server' or 'client', not {side!r}")
         try:
             method = methods.get(self.method)
         except ValueError as e:

@@ -31,7 +31,7 @@ def screen_update(update: Update, reference: dict, extra_shapes: dict | None = N
     """Why an update must be dropped, or None when it is usable."""
     if update.n is None:
         return "no case count (meta 'n'): an update is never weighted by a guess"
-    if not isinstance(update.n, (int, np.integer)) or update.n <= 0:
+    if isinstance(update.n, bool) or not isinstance(update.n, (int, np.integer)) or update.n <= 0:
         return f"case count {update.n!r} is not a positive integer (a site with nothing to train on abstains)"
     if not update.weights:
         return "empty update"

@@ -96,6 +96,17 @@ def dice_per_case(pred, target) -> np.ndarray:
     return np.where(denom == 0, 1.0, 2 * inter / np.maximum(denom, 1))
 
 
-def segmentation_metrics(pred, target) -> dict:
-    dice = dice_per_case(pred, target)
-    return {"dice": float(dice.mean()) if len(dice) else None, "dice_per_case": dice.tolist()}
+def segmentation_metrics(pred, target, classes=None) -> dict:
+    """Hard Dice per case; with ``classes`` (masks shaped [N, C, ...]) also per class.
+
+    ``dice`` is the mean over cases (single class) or over classes (several)."""
+    pred, target = np.asarray(pred), np.asarray(target)
+    if classes is None or len(classes) == 1 and pred.ndim > 1 and pred.shape[1] != 1:
+        dice = dice_per_case(pred, target)
+        return {"dice": float(dice.mean()) if len(dice) else None, "dice_per_case": dice.tolist()}
+    per_class = {}
+    for i, name in enumerate(classes):
+        d = dice_per_case(pred[:, i], target[:, i])
+        per_class[name] = {"dice": float(d.mean()) if len(d) else None}
+    return {"dice": _mean(m["dice"] for m in per_class.values()), "per_class": per_class,
+            "dice_per_case": dice_per_case(pred, target).tolist()}

@@ -24,10 +24,12 @@ from .nets import rebuild
 from .profile import SiteProfile, label_summary, load_scenario
 
 
-def setups(bundle, data, sites=None, batch_size=None, seed=0, oracle=False, network_overrides=None) -> dict:
+def setups(bundle, data, sites=None, batch_size=None, seed=0, oracle=False, network_overrides=None,
+           unlabeled=False) -> dict:
+    """Every site's ``setup_site`` (``unlabeled``: keep unlabeled cases, for semi-supervised methods)."""
     names = sites or list(load_scenario(data, check_files=False, with_test=False).sites)
     return {s: setup_site(bundle, data, s, batch_size=batch_size, seed=seed, oracle=oracle,
-                          network_overrides=network_overrides) for s in names}
+                          network_overrides=network_overrides, unlabeled=unlabeled) for s in names}
 
 
 def federate(method: str, site_setups: dict, rounds: int, seed=0, log=print, client_options=None,

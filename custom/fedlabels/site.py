@@ -19,7 +19,7 @@ from monai.data import CacheDataset, DataLoader
 
 from . import bundle_data
 from .methods.base import SiteContext, Update, site_seed
-from .metrics import multiclass_metrics, multilabel_metrics
+from .metrics import multiclass_metrics, multilabel_metrics, segmentation_metrics
 from .profile import Scenario, SiteData, load_scenario, write_atomic
 
 
@@ -51,20 +51,28 @@ class SiteSetup:
 def _loader(items, transform, batch_size, shuffle, seed):
     ds = CacheDataset(items, transform, cache_rate=1.0, num_workers=None, progress=False)
     gen = torch.Generator().manual_seed(seed)
-    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, num_workers=0, generator=gen, drop_last=False)
+    # An empty site (nothing it can learn from) gets an empty loader: its client abstains.
+    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle and len(ds) > 0, num_workers=0, generator=gen,
+                      drop_last=False)
 
 
-def _items(site: SiteData, split: str, oracle: bool):
+def _items(site: SiteData, split: str, oracle: bool, labeled_only: bool):
     items = site.oracle()[split] if oracle else getattr(site, split)
     task = site.profile.task
-    return [bundle_data.bundle_item(i, task, labeled_only=False) for i in items]
+    out = [bundle_data.bundle_item(i, task, labeled_only=labeled_only) for i in items]
+    return [i for i in out if i is not None]
 
 
 def setup_site(bundle, dataset_dir, site_name: str, *, batch_size=None, seed=0, device="cpu", oracle=False,
-               network_overrides: dict | None = None) -> SiteSetup:
+               network_overrides: dict | None = None, unlabeled: bool = False) -> SiteSetup:
     """Validate the site's data, build the bundle's network and the site's loaders.
 
-    ``seed`` is the run's seed; the site's own (``site_seed``) drives its loaders."""
+    ``seed`` is the run's seed; the site's own (``site_seed``) drives its loaders.
+    The training loader holds the cases a supervised method learns from
+    (segmentation: those with a pixel mask; classification: those with a
+    label) unless ``unlabeled`` (semi-supervised methods), which keeps every
+    case. Validation always holds the labeled cases only. The raw items
+    (supervision level, boxes, image-level classes) stay in ``setup.site``."""
     seed = site_seed(seed, site_name)
     scenario = load_scenario(dataset_dir, sites=[site_name], with_test=False)
     site = scenario.site(site_name)
@@ -79,8 +87,8 @@ def setup_site(bundle, dataset_dir, site_name: str, *, batch_size=None, seed=0, 
     bs = batch_size or parser.get_parsed_content("batch_size")
     train_tf = parser.get_parsed_content("train#preprocessing", instantiate=True)
     val_tf = parser.get_parsed_content("validate#preprocessing", instantiate=True)
-    train_loader = _loader(_items(site, "training", oracle), train_tf, bs, True, seed)
-    val_items = _items(site, "validation", oracle)
+    train_loader = _loader(_items(site, "training", oracle, labeled_only=not unlabeled), train_tf, bs, True, seed)
+    val_items = _items(site, "validation", oracle, labeled_only=True)
     val_loader = _loader(val_items, val_tf, bs, False, seed) if val_items else None
     return SiteSetup(scenario, site, net, train_loader, val_loader, scenario.classes, scenario.task, seed, device)
 
@@ -98,36 +106,39 @@ def test_loader(bundle, dataset_dir, batch_size=64) -> DataLoader:
 
 @torch.no_grad()
 def predict(net, loader, task, device="cpu"):
-    """Probabilities and labels over a loader (sigmoid for multi-label, softmax for multi-class)."""
+    """Probabilities and labels over a loader (softmax for multi-class, else sigmoid: multi-label, masks)."""
     net.eval()
     probs, labels = [], []
     for batch in loader:
         logits = net(batch["image"].to(device))
         probs.append(torch.softmax(logits, 1) if task == "multiclass" else torch.sigmoid(logits))
-        labels.append(batch["label"])
+        labels.append(torch.as_tensor(batch["label"]))
     return torch.cat(probs).cpu().numpy(), torch.cat(labels).cpu().numpy()
 
 
 def evaluate(net, loader, task, classes, device="cpu") -> dict:
-    """Label-aware metrics: classes a site does not annotate come back undefined."""
-    if loader is None:
+    """Label-aware metrics: classes a site does not annotate come back undefined;
+    segmentation: Dice per class of the thresholded masks (0.5)."""
+    if loader is None or len(loader.dataset) == 0:
         return {}
     probs, labels = predict(net, loader, task, device)
     if task == "multilabel":
         return multilabel_metrics(probs, labels, classes)
     if task == "multiclass":
         return multiclass_metrics(probs, labels.reshape(-1), classes)
-    raise ValueError(f"no classification metrics for task {task!r}")
+    if task == "segmentation":
+        return segmentation_metrics(probs > 0.5, labels > 0.5, classes)
+    raise ValueError(f"no metrics for task {task!r}")
 
 
 def flat_metrics(metrics: dict, prefix="val_") -> dict:
     """Scalar view for FLARE/TensorBoard: macro values and per-class values; undefined left out."""
     out = {}
-    for key in ("auroc", "ap", "bacc", "accuracy", "precision", "recall"):
+    for key in ("auroc", "ap", "bacc", "accuracy", "precision", "recall", "dice"):
         if metrics.get(key) is not None:
             out[f"{prefix}{key}"] = float(metrics[key])
     for cls, vals in metrics.get("per_class", {}).items():
-        for key in ("auroc", "ap", "bacc"):
+        for key in ("auroc", "ap", "bacc", "dice"):
             if vals.get(key) is not None:
                 out[f"{prefix}{key}/{cls}"] = float(vals[key])
     return out

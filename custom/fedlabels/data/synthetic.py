@@ -4,7 +4,12 @@ Three families, each written as a scenario folder (profile.py):
 
 * ``cxr`` -- multi-label chest-X-ray-like grayscale images, 6 co-occurring
   findings, 4 sites labeling the classes of FedPSL's Table I, per-site
-  acquisition shift (contrast, gamma, noise), imbalanced prevalence;
+  acquisition shift (contrast, gamma, noise), imbalanced prevalence, unequal
+  site sizes (``CXR_SITE_SCALE``) and partial annotation inside a site: a
+  site annotates some of its classes on only part of its cases
+  (``CXR_ANNOTATED_FRACTION``; the other cases hold -1 for that class), so
+  a site's case count n_k and its per-class annotated counts n_k^c differ,
+  and not in the same proportion at every site;
 * ``medmnist`` -- 28 px RGB multi-class images, 8 classes, Dirichlet(gamma)
   label split over the sites, some sites unlabeled;
 * ``lesion`` -- 2D lesion segmentation (some images lesion-free), per-site
@@ -28,12 +33,27 @@ from ..profile import SiteProfile, scenario_writer, write_json_atomic, write_sit
 from .partition import FEDPSL_CLASSES_6, FEDPSL_SITE_CLASSES_6
 
 FAMILIES = ("cxr", "medmnist", "lesion")
-# Part of the cache key: bump when the images a seed produces change.
-GENERATOR_VERSION = "v2"
+# Part of the cache key: bump when what a seed produces changes (images, labels, site sizes).
+GENERATOR_VERSION = "v3"
 
 # FedPSL Table I: the six findings and which of them each of the four sites annotates.
 CXR_CLASSES, CXR_SITE_CLASSES = FEDPSL_CLASSES_6, FEDPSL_SITE_CLASSES_6
 CXR_PREVALENCE = [0.22, 0.2, 0.18, 0.14, 0.1, 0.08]
+# Site k holds round(CXR_SITE_SCALE[k] * cases) cases (at least 2): ``cases`` is
+# the size of a reference site, and the scales average 1, so the four sites
+# hold 4 * cases in all (cases=150: 150, 90, 240, 120).
+CXR_SITE_SCALE = (1.0, 0.6, 1.6, 0.8)
+# Per site, the fraction of its cases annotated for each class it annotates.
+# In each split (training, validation) of m cases, class c is annotated on
+# max(1, round(f * m)) cases drawn at random; the rest hold -1 for c. site-1
+# annotates its classes on every case; each other site annotates one class
+# fully and two in part, with fractions that differ from site to site.
+CXR_ANNOTATED_FRACTION = [
+    {"infiltration": 1.0, "effusion": 1.0, "atelectasis": 1.0},
+    {"effusion": 0.5, "atelectasis": 1.0, "nodule": 0.75},
+    {"atelectasis": 0.6, "nodule": 0.8, "consolidation": 1.0},
+    {"nodule": 0.5, "consolidation": 1.0, "pneumothorax": 0.75},
+]
 
 MEDMNIST_CLASSES = ["disc", "ring", "square", "cross", "pair", "bar", "triangle", "ellipse"]
 LESION_CLASSES = ["lesion"]
@@ -116,6 +136,23 @@ def cxr_image(rng, labels, size, shift):
         rim = lung & ((x - cx) * (side * 2 - 1) > 0.12) & (y < 0.15)
         img = np.where(rim, 0.06, img)
     return _acquire(img, shift, rng)
+
+
+def cxr_site_cases(cases: int) -> list:
+    """Cases per site for a reference site size ``cases`` (``CXR_SITE_SCALE``)."""
+    return [max(2, int(scale * cases + 0.5)) for scale in CXR_SITE_SCALE]
+
+
+def _annotate_part(items, fractions, rng):
+    """Set -1 for class c on all but max(1, round(f_c * m)) of the m ``items`` (in place)."""
+    m = len(items)
+    for c, name in enumerate(CXR_CLASSES):
+        f = fractions.get(name)
+        if f is None or f >= 1 or m == 0:
+            continue
+        keep = min(m, max(1, int(f * m + 0.5)))
+        for i in rng.permutation(m)[keep:]:
+            items[i]["label"][c] = -1
 
 
 def _cxr_labels(rng, n):
@@ -213,7 +250,9 @@ def generate(family: str, out, seed: int = 0, size: int | None = None, cases: in
              val_fraction: float = 0.15, progress=None) -> Path:
     """Write one synthetic scenario folder atomically; returns its path.
 
-    ``cases`` is per site (cxr, lesion) or in total (medmnist).
+    ``cases`` is per site (lesion), the size of a reference site (cxr: site k
+    holds ``round(CXR_SITE_SCALE[k] * cases)``, see ``cxr_site_cases``) or in
+    total (medmnist).
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown synthetic family {family!r}; choose one of {FAMILIES}")
@@ -221,25 +260,32 @@ def generate(family: str, out, seed: int = 0, size: int | None = None, cases: in
     say = progress or (lambda msg: None)
     names = [f"site-{i + 1}" for i in range(sites)]
     shifts = [_shift(rng) for _ in names]
+    extra = {}
     with scenario_writer(out) as tmp:
         if family == "cxr":
             size, cases, test_cases = size or 64, cases or 300, test_cases or 400
             if sites != len(CXR_SITE_CLASSES):
                 raise ValueError("the cxr family has the 4 sites of FedPSL Table I")
             task, classes = "multilabel", CXR_CLASSES
+            site_cases = cxr_site_cases(cases)
+            extra = {"site_cases": dict(zip(names, site_cases)),
+                     "annotated_fraction": dict(zip(names, CXR_ANNOTATED_FRACTION))}
             for k, name in enumerate(names):
-                labels = _cxr_labels(rng, cases)
+                n_k = site_cases[k]
+                labels = _cxr_labels(rng, n_k)
                 keep = np.array([c in CXR_SITE_CLASSES[k] for c in CXR_CLASSES])
                 items, oracle = [], []
-                for i in range(cases):
+                for i in range(n_k):
                     rel = f"images/{i:05d}.png"
                     _save_png(_mk(tmp / name / "images") / f"{i:05d}.png", cxr_image(rng, labels[i], size, shifts[k]))
                     items.append({"image": rel, "label": np.where(keep, labels[i], -1).tolist()})
                     oracle.append({"image": rel, "label": labels[i].tolist()})
                 train, val = _split(items, val_fraction, rng)
+                for part in (train, val):
+                    _annotate_part(part, CXR_ANNOTATED_FRACTION[k], rng)
                 profile = SiteProfile(name, task, tuple(classes), tuple(CXR_SITE_CLASSES[k]), "image")
                 write_site(tmp / name, profile, train, val, {"training": _match(oracle, train), "validation": _match(oracle, val)})
-                say(f"{name}: {cases} images")
+                say(f"{name}: {n_k} images")
             labels = _cxr_labels(rng, test_cases)
             test = []
             for i in range(test_cases):
@@ -317,8 +363,8 @@ def generate(family: str, out, seed: int = 0, size: int | None = None, cases: in
             "seed": seed,
             "image_size": [size, size],
             "channels": 1 if family == "cxr" else 3,
-            "provenance": {"generator": "fedlabels.data.synthetic", "family": family, "seed": seed,
-                           "site_shift": dict(zip(names, shifts))},
+            "provenance": {"generator": "fedlabels.data.synthetic", "version": GENERATOR_VERSION, "family": family,
+                           "seed": seed, "site_shift": dict(zip(names, shifts)), **extra},
         })
     return Path(out)
 

@@ -91,12 +91,9 @@ def prepare(cfg: RunConfig, args, site: str, here: Path | None):
     cfg.validate("client")
     method = methods.get(cfg.method)
     setup = setup_site(find_bundle(cfg.bundle, here), data_root(args, cfg), site, batch_size=cfg.data.get("batch_size"),
-                       seed=cfg.seed, device=args.device, network_overrides=cfg.network)
-    profile = setup.site.profile
+                       seed=cfg.seed, device=args.device, network_overrides=cfg.network, unlabeled=method.uses_unlabeled)
     if setup.task not in method.tasks:
         raise ValueError(f"method {method.name!r} handles {method.tasks}, not the scenario's task {setup.task!r}")
-    if method.needs_labels and not profile.annotated:
-        raise ScenarioError(setup.site.folder / "profile.yaml", f"method {method.name!r} needs labels but the site annotates no class", field="annotated")
     return setup, method.make_client(setup.net, setup.context(), **cfg.client)
 
 

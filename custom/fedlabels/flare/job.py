@@ -71,7 +71,13 @@ CXR_JOBS = [
     JobSpec("fedpsl_tdma_cxr", "fedpsl_tdma", client=dict(CXR_TRAINING)),
     JobSpec("fedpsl_tadl_cxr", "fedpsl_tadl", client=dict(CXR_TRAINING)),
 ]
-JOBS = {spec.name: spec for spec in CXR_JOBS}
+# Every task through the FL path: multi-class (MedMNIST-like, site-1 labeled, the
+# other sites abstain) and segmentation (the sites' pixel-labeled cases).
+OTHER_TASK_JOBS = [
+    JobSpec("fedavg_medmnist", "fedavg", bundle="medmnist_cnn", family="medmnist", client={"lr": 1e-3, "epochs": 1}),
+    JobSpec("fedavg_lesion", "fedavg", bundle="lesion_unet", family="lesion", client={"lr": 1e-3, "epochs": 1}),
+]
+JOBS = {spec.name: spec for spec in CXR_JOBS + OTHER_TASK_JOBS}
 
 
 def server_network(spec: JobSpec):

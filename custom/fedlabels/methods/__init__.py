@@ -41,7 +41,7 @@ class Method:
     tasks: tuple
     client_presets: dict = field(default_factory=dict)
     server_presets: dict = field(default_factory=dict)
-    needs_labels: bool = True  # every site must annotate at least one class
+    uses_unlabeled: bool = False  # semi-supervised: sites also train on their unlabeled cases
     doc: str = ""
 
     def client_option_names(self) -> set:

@@ -26,6 +26,7 @@ them. Batch-norm policy (docs/methods.md):
 
 from __future__ import annotations
 
+import copy
 import zlib
 from dataclasses import dataclass, field
 
@@ -209,20 +210,22 @@ class ClientRule:
         """Called after the global model is loaded, before local training."""
 
     def abstains(self, round: int, extras: dict) -> bool:
-        """True: sit this step out (the site has nothing to train on for it)."""
-        return False
+        """True: sit this step out. By default a site with nothing to train on
+        (e.g. no labeled case for a supervised method) abstains."""
+        return len(getattr(self.ctx.train, "dataset", self.ctx.train)) == 0
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
         """What the site keeps between rounds, for an exact resume."""
         return {"received": self.received,
-                "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+                "optimizer": None if self.optimizer is None else copy.deepcopy(self.optimizer.state_dict()),
                 "bn": {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items() if k in self.bn_keys}}
 
     def load_state_dict(self, state: dict) -> None:
         self.received = bool(state["received"])
         load_weights(self.net, state["bn"])
         if state["optimizer"] is not None:
+            self.set_train_mode()  # fedbn+: batch norm frozen first, as in train(), so the groups match
             self.optimizer = self.make_optimizer(self.net.parameters())
             self.optimizer.load_state_dict(state["optimizer"])
 

@@ -13,6 +13,7 @@ every multi-label row trains with the same ``pos_weighted`` loss default
 from __future__ import annotations
 
 import torch.nn.functional as F
+from monai.losses import DiceLoss
 
 from ..losses import naive_bce, partial_bce
 from .aggregate import average_keys
@@ -26,12 +27,16 @@ class FedAvgClient(ClientRule):
         super().__init__(net, ctx, **kw)
         self.partial_loss, self.mu = bool(partial_loss), float(mu)
         self.anchor = None
+        # Segmentation: the lesion bundle's own loss (MONAI soft Dice on sigmoid outputs).
+        self.dice = DiceLoss(sigmoid=True)
 
     def loss(self, logits, labels):
         task = self.profile.task
         if task == "multilabel":
             fn = partial_bce if self.partial_loss else naive_bce
             loss = fn(logits, labels, pos_weight=self.pos_weight)
+        elif task == "segmentation":
+            loss = self.dice(logits, labels)
         elif task == "multiclass":
             # Sum over labeled cases / their count: a batch of only unlabeled
             # cases (-1) gives 0, where the mean reduction would give NaN.
@@ -67,10 +72,10 @@ class FedAvgServer(ServerRule):
 def _register():
     from . import Method, register
 
-    common = ("multilabel", "multiclass")
+    common = ("multilabel", "multiclass", "segmentation")
     register(Method("fedavg", FedAvgClient, FedAvgServer, common, {"partial_loss": False},
-                    doc="naive FedAvg: missing labels as negatives"))
-    register(Method("fedavg_pl", FedAvgClient, FedAvgServer, common, {"partial_loss": True},
+                    doc="naive FedAvg: missing labels as negatives (segmentation: pixel-labeled cases)"))
+    register(Method("fedavg_pl", FedAvgClient, FedAvgServer, ("multilabel", "multiclass"), {"partial_loss": True},
                     doc="FedAvg with the partial BCE loss"))
     register(Method("fedprox", FedAvgClient, FedAvgServer, common, {"partial_loss": True, "mu": 0.001},
                     doc="FedProx (mu=0.001 as in FedPSL) with the partial loss"))
