@@ -241,3 +241,23 @@ def test_one_configuration_reaches_server_and_sites(tmp_path, data):
     hidden = [k for k in w if k.startswith("class_layers.") and w[k].shape[:1] == (16,)]
     assert hidden, sorted(w)[-6:]
     assert all(not r["dropped"] and r["aggregated"] for r in rounds(run_dir))
+
+
+def test_fedbn_global_model_carries_learned_statistics_and_exports_what_is_reported(job_runs, data, tmp_path):
+    """Under FedBN the saved global model holds the sites' mean learned batch-norm
+    statistics (not the initial identity), and its exported TorchScript scores on the
+    test split exactly what `fedlabels report` (evaluate_global) reports."""
+    from fedlabels.export import export_bundle
+    from fedlabels.site import evaluate, test_loader
+
+    run_dir, _ = job_runs("fedbn_cxr")
+    w = weights(run_dir)
+    means = [k for k in w if k.endswith("running_mean")]
+    assert means and any(np.abs(w[k]).max() > 1e-3 for k in means)  # initial running means are 0
+    bundle = REPO / "bundles" / JOBS["fedbn_cxr"].bundle
+    reported = evaluate_global(run_dir, bundle, data, "last")
+    out = export_bundle(bundle, run_dir / "app_server" / "FL_global_model.pt", tmp_path / "exported")
+    scripted = torch.jit.load(str(out / "models" / "model.ts"), map_location="cpu")
+    scored = evaluate(scripted, test_loader(bundle, data), "multilabel", tuple(reported["per_class"]))
+    for cls, m in reported["per_class"].items():
+        assert scored["per_class"][cls]["auroc"] == pytest.approx(m["auroc"], abs=1e-6), cls

@@ -25,11 +25,13 @@ from .profile import SiteProfile, label_summary, load_scenario
 
 
 def setups(bundle, data, sites=None, batch_size=None, seed=0, oracle=False, network_overrides=None,
-           unlabeled=False) -> dict:
-    """Every site's ``setup_site`` (``unlabeled``: keep unlabeled cases, for semi-supervised methods)."""
+           method=None) -> dict:
+    """Every site's ``setup_site``, with the data views ``method`` (a registered name) trains on."""
     names = sites or list(load_scenario(data, check_files=False, with_test=False).sites)
+    m = methods.get(method) if method else None
     return {s: setup_site(bundle, data, s, batch_size=batch_size, seed=seed, oracle=oracle,
-                          network_overrides=network_overrides, unlabeled=unlabeled) for s in names}
+                          network_overrides=network_overrides, unlabeled=bool(m and m.uses_unlabeled),
+                          strong_view=bool(m and m.strong_view)) for s in names}
 
 
 def federate(method: str, site_setups: dict, rounds: int, seed=0, log=print, client_options=None,

@@ -48,8 +48,32 @@ class SiteSetup:
         return SiteContext(self.site.profile, self.train_loader, self.site.summary(), self.val_loader, self.seed, self.device)
 
 
-def _loader(items, transform, batch_size, shuffle, seed):
+class TwoViews(torch.utils.data.Dataset):
+    """Each case with a second, strongly augmented view: ``image`` is the bundle's
+    training view (``train#preprocessing``), ``image_strong`` that view further
+    perturbed by ``train#strong_preprocessing`` (photometric, so a mask or box
+    still fits both views)."""
+
+    def __init__(self, weak, strong):
+        self.weak, self.strong = weak, strong
+
+    def __len__(self):
+        return len(self.weak)
+
+    def __getitem__(self, i):
+        out = dict(self.weak[i])
+        out["image_strong"] = self.strong({"image": out["image"].clone()})["image"]
+        return out
+
+    def set_random_state(self, seed):
+        self.weak.transform.set_random_state(seed=seed)
+        self.strong.set_random_state(seed=seed + 1)
+
+
+def _loader(items, transform, batch_size, shuffle, seed, strong=None):
     ds = CacheDataset(items, transform, cache_rate=1.0, num_workers=None, progress=False)
+    if strong is not None:
+        ds = TwoViews(ds, strong)
     gen = torch.Generator().manual_seed(seed)
     # An empty site (nothing it can learn from) gets an empty loader: its client abstains.
     return DataLoader(ds, batch_size=batch_size, shuffle=shuffle and len(ds) > 0, num_workers=0, generator=gen,
@@ -64,14 +88,15 @@ def _items(site: SiteData, split: str, oracle: bool, labeled_only: bool):
 
 
 def setup_site(bundle, dataset_dir, site_name: str, *, batch_size=None, seed=0, device="cpu", oracle=False,
-               network_overrides: dict | None = None, unlabeled: bool = False) -> SiteSetup:
+               network_overrides: dict | None = None, unlabeled: bool = False, strong_view: bool = False) -> SiteSetup:
     """Validate the site's data, build the bundle's network and the site's loaders.
 
     ``seed`` is the run's seed; the site's own (``site_seed``) drives its loaders.
     The training loader holds the cases a supervised method learns from
     (segmentation: those with a pixel mask; classification: those with a
     label) unless ``unlabeled`` (semi-supervised methods), which keeps every
-    case. Validation always holds the labeled cases only. The raw items
+    case. Validation always holds the labeled cases only. ``strong_view``
+    adds ``image_strong`` to every training batch (``TwoViews``). The raw items
     (supervision level, boxes, image-level classes) stay in ``setup.site``."""
     seed = site_seed(seed, site_name)
     scenario = load_scenario(dataset_dir, sites=[site_name], with_test=False)
@@ -87,7 +112,14 @@ def setup_site(bundle, dataset_dir, site_name: str, *, batch_size=None, seed=0, 
     bs = batch_size or parser.get_parsed_content("batch_size")
     train_tf = parser.get_parsed_content("train#preprocessing", instantiate=True)
     val_tf = parser.get_parsed_content("validate#preprocessing", instantiate=True)
-    train_loader = _loader(_items(site, "training", oracle, labeled_only=not unlabeled), train_tf, bs, True, seed)
+    strong = None
+    if strong_view:
+        if parser.get("train#strong_preprocessing") is None:
+            raise ValueError(f"{bundle}: configs/train.json defines no train#strong_preprocessing, and the method "
+                             "trains on a strongly augmented second view")
+        strong = parser.get_parsed_content("train#strong_preprocessing", instantiate=True)
+    train_loader = _loader(_items(site, "training", oracle, labeled_only=not unlabeled), train_tf, bs, True, seed,
+                           strong)
     val_items = _items(site, "validation", oracle, labeled_only=True)
     val_loader = _loader(val_items, val_tf, bs, False, seed) if val_items else None
     return SiteSetup(scenario, site, net, train_loader, val_loader, scenario.classes, scenario.task, seed, device)

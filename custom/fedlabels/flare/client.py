@@ -91,7 +91,8 @@ def prepare(cfg: RunConfig, args, site: str, here: Path | None):
     cfg.validate("client")
     method = methods.get(cfg.method)
     setup = setup_site(find_bundle(cfg.bundle, here), data_root(args, cfg), site, batch_size=cfg.data.get("batch_size"),
-                       seed=cfg.seed, device=args.device, network_overrides=cfg.network, unlabeled=method.uses_unlabeled)
+                       seed=cfg.seed, device=args.device, network_overrides=cfg.network, unlabeled=method.uses_unlabeled,
+                       strong_view=method.strong_view)
     if setup.task not in method.tasks:
         raise ValueError(f"method {method.name!r} handles {method.tasks}, not the scenario's task {setup.task!r}")
     return setup, method.make_client(setup.net, setup.context(), **cfg.client)

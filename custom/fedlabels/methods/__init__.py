@@ -42,6 +42,7 @@ class Method:
     client_presets: dict = field(default_factory=dict)
     server_presets: dict = field(default_factory=dict)
     uses_unlabeled: bool = False  # semi-supervised: sites also train on their unlabeled cases
+    strong_view: bool = False  # training batches also carry ``image_strong`` (bundle: train#strong_preprocessing)
     doc: str = ""
 
     def client_option_names(self) -> set:

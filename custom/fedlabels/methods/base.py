@@ -124,9 +124,10 @@ class SiteContext:
         gen = getattr(self.train, "generator", None)
         if gen is not None:
             gen.manual_seed(s)
-        transform = getattr(getattr(self.train, "dataset", None), "transform", None)
-        if hasattr(transform, "set_random_state"):
-            transform.set_random_state(seed=s)
+        dataset = getattr(self.train, "dataset", None)
+        target = dataset if hasattr(dataset, "set_random_state") else getattr(dataset, "transform", None)
+        if hasattr(target, "set_random_state"):
+            target.set_random_state(seed=s)
 
 
 def to_numpy(state: dict) -> dict:

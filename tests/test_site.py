@@ -1,0 +1,32 @@
+"""A site's setup from its bundle: the strong second view a method may ask for."""
+
+import torch
+
+from fedlabels.data.synthetic import generate
+from fedlabels.export import bundle_path
+from fedlabels.methods.base import SiteContext
+from fedlabels.site import setup_site
+
+
+def test_strong_view_is_a_perturbed_copy_and_reseeds(tmp_path):
+    data = generate("lesion", tmp_path / "lesion", seed=0, cases=12, test_cases=4)
+    setup = setup_site(bundle_path("lesion_unet"), data, "site-1", batch_size=4, strong_view=True)
+    ctx = setup.context()
+    ctx.reseed(3)
+    batch = next(iter(setup.train_loader))
+    assert batch["image_strong"].shape == batch["image"].shape
+    assert not torch.equal(batch["image_strong"], batch["image"])
+    # photometric only: where dropout left the image alone the structure is the same view's
+    assert torch.corrcoef(torch.stack([batch["image"].flatten(), batch["image_strong"].flatten()]))[0, 1] > 0.5
+    ctx.reseed(3)
+    again = next(iter(setup.train_loader))
+    assert torch.equal(again["image_strong"], batch["image_strong"]) and torch.equal(again["label"], batch["label"])
+    ctx.reseed(4)
+    assert not torch.equal(next(iter(setup.train_loader))["image_strong"], batch["image_strong"])
+
+
+def test_one_view_unless_asked(tmp_path):
+    data = generate("lesion", tmp_path / "lesion", seed=0, cases=12, test_cases=4)
+    setup = setup_site(bundle_path("lesion_unet"), data, "site-1", batch_size=4)
+    assert "image_strong" not in next(iter(setup.train_loader))
+    assert isinstance(setup.context(), SiteContext)
