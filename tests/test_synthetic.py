@@ -7,7 +7,7 @@ import numpy as np
 from PIL import Image
 
 from fedlabels.data import synthetic
-from fedlabels.data.synthetic import CXR_SITE_CLASSES, generate
+from fedlabels.data.synthetic import CXR_ANNOTATED_FRACTION, CXR_SITE_CLASSES, cxr_site_cases, generate
 from fedlabels.profile import load_scenario
 
 
@@ -35,20 +35,63 @@ def test_cxr_partial_label_layout(tmp_path):
         assert list(site.profile.annotated) == [c for c in sc.classes if c in CXR_SITE_CLASSES[k]]
         labels = np.array([i["label"] for i in site.training + site.validation])
         mask = site.profile.labeled_mask
-        assert (labels[:, ~mask] == -1).all() and (labels[:, mask] >= 0).all()
+        assert (labels[:, ~mask] == -1).all()
         for c in site.profile.annotated:
             counts[c] += 1
-        # the oracle holds the full labels, agreeing where the site labels
+        # the oracle holds the full labels, agreeing wherever the site labels
         oracle = site.oracle()
         full = np.array([i["label"] for i in oracle["training"]])
         part = np.array([i["label"] for i in site.training])
-        assert (full[:, mask] == part[:, mask]).all() and set(np.unique(full)) <= {0, 1}
+        seen = part >= 0
+        assert (full[seen] == part[seen]).all() and set(np.unique(full)) <= {0, 1}
     # FedPSL Table I: infiltration and pneumothorax are labeled by one site only
     assert counts["infiltration"] == 1 and counts["pneumothorax"] == 1 and counts["atelectasis"] == 3
     test = np.array([i["label"] for i in sc.test])
     assert (test >= 0).all() and test.shape == (20, 6)
     img = np.asarray(Image.open(sc.test[0]["image"]))
     assert img.shape == (64, 64) and img.dtype == np.uint8
+
+
+def test_cxr_site_sizes_differ(tmp_path):
+    sc = load_scenario(generate("cxr", tmp_path / "cxr", seed=0, cases=60, test_cases=4))
+    sizes = [len(s.training) + len(s.validation) for s in sc.sites.values()]
+    # round(CXR_SITE_SCALE[k] * cases): cases is the size of a reference site
+    assert sizes == cxr_site_cases(60) == [60, 36, 96, 48]
+    assert sc.meta["provenance"]["site_cases"] == dict(zip(sc.sites, sizes))
+    assert cxr_site_cases(1) == [2, 2, 2, 2]  # every site keeps a training and a validation case
+
+
+def test_cxr_partial_annotation_inside_sites(tmp_path):
+    """A site annotates some of its classes on part of its cases: n_k^c < n_k, in site-specific proportions."""
+    sc = load_scenario(generate("cxr", tmp_path / "cxr", seed=0, cases=60, test_cases=4))
+    frac = {}
+    for k, site in enumerate(sc.sites.values()):
+        for split in (site.training, site.validation):
+            labels = np.array([i["label"] for i in split])
+            m = len(split)
+            for c, name in enumerate(sc.classes):
+                n_c = int((labels[:, c] >= 0).sum())
+                f = CXR_ANNOTATED_FRACTION[k].get(name)
+                if f is None:
+                    assert n_c == 0
+                else:  # exactly max(1, round(f m)) per split: every annotated class has cases in both
+                    assert n_c == min(m, max(1, int(f * m + 0.5))) >= 1, (site.name, name)
+        summ = site.summary()
+        assert summ["cases"] == len(site.training)
+        frac[site.name] = np.array(summ["annotated"]) / summ["cases"]
+        # every site annotates at least one class on every case
+        assert (np.array([i["label"] for i in site.training]) >= 0).any(1).all()
+    # within-site partial annotation: n_k^c < n_k for some annotated class at sites 2-4
+    for name in ("site-2", "site-3", "site-4"):
+        mask = np.array(sc.site(name).profile.labeled_mask)
+        assert (frac[name][mask] < 1).any() and (frac[name][mask] == 1).any()
+    assert (frac["site-1"][:3] == 1).all()
+    # not proportional across sites: a shared class's annotated share differs between the sites labeling it
+    nodule = sc.classes.index("nodule")
+    shares = [frac[s][nodule] for s in ("site-2", "site-3", "site-4")]
+    assert len({round(v, 2) for v in shares}) == 3, shares
+    atelectasis = sc.classes.index("atelectasis")
+    assert frac["site-3"][atelectasis] < frac["site-2"][atelectasis] == 1
 
 
 def test_cxr_prevalence_is_imbalanced(tmp_path):
