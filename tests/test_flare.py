@@ -138,6 +138,17 @@ def test_multiclass_and_segmentation_jobs_run_in_the_simulator(name, options, me
     assert evaluate_global(run_dir, REPO / "bundles" / spec.bundle, family_data, "best")[metric] is not None
 
 
+def test_simulated_sites_share_the_cores_without_fedlabels_simulate(job_runs):
+    """The controller gives each simulated site its share of the cores (the plain
+    `nvflare simulator` command gets it too: simulate() sets no thread variable)."""
+    _, log = job_runs("fedavg_cxr")
+    import os
+
+    expected = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // TINY["sites"]))
+    text = log.read_text()
+    assert f"[site-1] torch threads: {expected}" in text and f"[site-2] torch threads: {expected}" in text
+
+
 def test_same_seed_same_metrics(tmp_path, data, job_runs):
     a, _ = job_runs("fedavg_cxr")
     b, _ = run(JOBS["fedavg_cxr"], tmp_path, data, "b")

@@ -31,7 +31,7 @@ from ..config import FILE, RunConfig
 from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, RESUME, to_numpy
 from ..profile import ScenarioError
 from ..site import evaluate, flat_metrics, load_state, save_state, setup_site, train_task
-from .controller import FATAL, SUMMARY
+from .controller import FATAL, SUMMARY, THREADS
 
 
 def find_bundle(name: str, here: Path | None = None) -> Path:
@@ -122,6 +122,11 @@ def main(argv=None, here: Path | None = None):
         meta = model.meta or {}
         t0 = time.time()
         if flare.is_train() and meta.get(PHASE) == "summary":
+            # Simulated sites share one machine: take the share of the cores the server
+            # gives, unless OMP_NUM_THREADS says otherwise (`fedlabels simulate` sets it).
+            if meta.get(THREADS) and "OMP_NUM_THREADS" not in os.environ:
+                torch.set_num_threads(int(meta[THREADS]))
+            print(f"[{site}] torch threads: {torch.get_num_threads()}", flush=True)
             flare.send(FLModel(params={}, meta={SUMMARY: setup.site.summary()}))
         elif flare.is_train():
             rnd = model.current_round

@@ -93,8 +93,6 @@ def simulate(job_dir, workspace, sites: int, data=None, threads=None, log=None, 
     """
     job_dir, workspace = Path(job_dir), Path(workspace)
     env = dict(os.environ)
-    # N site processes share the machine: one torch thread pool each, sized to fit.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // sites)))
     if data:
         env["FEDLABELS_DATA"] = str(Path(data).resolve())
     # Site state (for resuming) outside the workspace, which the simulator empties.

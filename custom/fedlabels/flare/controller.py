@@ -40,6 +40,7 @@ from ..profile import write_atomic, write_json_atomic
 
 FATAL = "fatal_error"
 SUMMARY = "label_summary"
+THREADS = "threads"  # torch threads a simulated site should use
 STATE = "fedlabels_server_state.pt"
 
 
@@ -132,10 +133,21 @@ class FedLabelsController(BaseFedAvg):
         out = self.aggregate(results, aggregate_fn=lambda _: FLModel(params=fn(), params_type=ParamsType.FULL))
         return out.params or None
 
+    def _threads_per_site(self, n_sites: int):
+        """In the simulator every site shares this machine: each gets its share of the cores
+        (N processes each using every core oversubscribe them). None in a real deployment."""
+        try:
+            from nvflare.private.fed.simulator.simulator_server import SimulatorServerEngine
+        except ImportError:
+            return None
+        if not isinstance(self.fl_ctx.get_engine(), SimulatorServerEngine):
+            return None
+        return max(1, (os.cpu_count() or 1) // max(1, n_sites))
+
     def _handshake(self, clients) -> dict:
-        """Every site's label summary, before round 0."""
-        results = self.send_model_and_wait(task_name="train", targets=clients,
-                                           data=FLModel(params={}, meta={PHASE: "summary"}))
+        """Every site's label summary, before round 0 (and, simulated, its share of the cores)."""
+        meta = {PHASE: "summary", THREADS: self._threads_per_site(len(clients))}
+        results = self.send_model_and_wait(task_name="train", targets=clients, data=FLModel(params={}, meta=meta))
         if self._fatal(results):
             return None
         summaries = {r.meta["client_name"]: r.meta[SUMMARY] for r in results if SUMMARY in (r.meta or {})}
