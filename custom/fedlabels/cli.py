@@ -8,6 +8,8 @@
     fedlabels export --bundle bundles/X --ckpt MODEL --out DIR
     fedlabels baseline {local,centralized,oracle} --data DIR   non-federated references
     fedlabels methods                              registered federated methods
+    fedlabels bench --data DIR --bundle X --methods a,b --seeds 0,1,2 --rounds R --out DIR
+                                                   methods side by side over seeds, with local floors
     fedlabels jobs --out nvflare_jobs              (re)generate the FLARE job folders
     fedlabels simulate JOB [--data DIR] -n N       run one job in the FLARE simulator
     fedlabels demo --out DIR                       the main job on the embedded data
@@ -166,6 +168,10 @@ def build_parser(flare: bool = True) -> argparse.ArgumentParser:
 
     s = sub.add_parser("methods", help="list the registered federated methods")
     s.set_defaults(fn=cmd_methods)
+
+    from . import bench
+
+    bench.add_parser(sub)
 
     if flare:
         from .flare import commands as flare_commands

@@ -1,0 +1,225 @@
+"""``fedlabels bench``: the comparison table, its floor rows, reruns, refusals and its numbers.
+
+One tiny bench run (embedded cxr, 12 cases per reference site, 8 test cases,
+ResNet-18, 2 rounds, FedAvg and Surgical Aggregation, seed 0) through the CLI's
+``main()`` in this process is shared by the tests of this module; its numbers
+are checked against an independent ``references.federate`` + ``score`` (and
+``references.local`` for a floor row). The FLARE-engine test runs the real
+simulator and carries the ``simulator`` marker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+from pathlib import Path
+
+import pytest
+from fedlabels import bench, cli, references
+from fedlabels.export import bundle_path
+
+BENCH = ["bench", "--data", "embedded:cxr", "--synth", "cases=12", "--synth", "test_cases=8", "--bundle",
+         "cxr_resnet18", "--methods", "fedavg,surgical", "--seeds", "0", "--rounds", "2", "--batch-size", "8"]
+SITES = [f"site-{k}" for k in range(1, 5)]
+
+
+def _main(argv) -> tuple:
+    """(exit code, stdout, stderr) of ``fedlabels ARGV`` run in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main([str(a) for a in argv])
+        except SystemExit as e:  # argparse refusals
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def _read_csv(path: Path) -> list:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _value(rows, **where) -> float:
+    hits = [r for r in rows if all(r[k] == str(v) for k, v in where.items())]
+    assert len(hits) == 1, (where, hits)
+    return float(hits[0]["value"])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "out"
+    code, stdout, stderr = _main(BENCH + ["--out", out])
+    assert code == 0, stderr
+    return {"out": out, "stdout": stdout, "rows": _read_csv(out / "results.csv")}
+
+
+def test_writes_table_floors_and_plots(run):
+    out, rows = run["out"], run["rows"]
+    assert list(rows[0]) == list(bench.CSV_COLUMNS)
+    methods = {r["method"] for r in rows}
+    assert methods == {"fedavg", "surgical"} | {f"local:{s}" for s in SITES}
+    for m in ("fedavg", "surgical"):
+        assert {r["model"] for r in rows if r["method"] == m} == {"last", "best"}
+    assert {r["model"] for r in rows if r["method"].startswith("local:")} == {"last"}
+    assert {r["split"] for r in rows} == {"test"} and {r["group"] for r in rows} == {"pooled"}
+    assert {r["metric"] for r in rows} == {"auroc", "ap", "bacc"}
+    assert {r["round"] for r in rows} == {"2"}
+    # every defined value is a number in [0, 1]; undefined ones are empty, never 0 or NaN
+    assert all(r["value"] == "" or 0.0 <= float(r["value"]) <= 1.0 for r in rows)
+    assert any(r["value"] for r in rows if r["method"] == "fedavg")
+    md = (out / "results.md").read_text()
+    for s in SITES:
+        assert f"local:{s} (" in md
+    assert "% of training cases" in md and "1 seed(s)" in md and "each seed its own split" in md
+    assert "| fedavg · last |" in md and "| surgical · best |" in md
+    assert list((out / "plots").glob("*.png"))
+    assert sorted(p.name for p in (out / "cells").glob("*.json")) == sorted(
+        ["fedavg-seed0.json", "surgical-seed0.json"] + [f"local_{s}-seed0.json" for s in SITES])
+    # progress: one start and one finish line per cell, with the elapsed time
+    for label in ["fedavg seed 0", "surgical seed 0"] + [f"local:{s} seed 0" for s in SITES]:
+        assert f"{label}: start" in run["stdout"]
+        assert f"{label}: done in " in run["stdout"]
+
+
+def test_rerun_skips_every_cell(run):
+    out = run["out"]
+    cells = sorted((out / "cells").glob("*.json"))
+    before = {p: p.stat().st_mtime_ns for p in cells}
+    table = (out / "results.csv").read_text()
+    code, stdout, stderr = _main(BENCH + ["--out", out])
+    assert code == 0, stderr
+    assert stdout.count("skipped (done)") == len(cells) == 6
+    assert ": start" not in stdout
+    assert {p: p.stat().st_mtime_ns for p in cells} == before
+    assert (out / "results.csv").read_text() == table
+
+
+def test_numbers_equal_an_independent_federation(run):
+    """Hand check: the CSV's numbers for FedAvg and one floor row equal the references run directly."""
+    rows, data = run["rows"], run["out"] / "data" / "cxr-seed0"
+    bundle = bundle_path("cxr_resnet18")
+    setups = references.setups(bundle, data, batch_size=8, seed=0, method="fedavg")
+    result = references.federate("fedavg", setups, 2, seed=0, log=None, client_options={"lr": 1e-3, "epochs": 1})
+    net = next(iter(setups.values())).net
+    for model in ("last", "best"):
+        metrics = references.score(net, result[model], bundle, data)
+        where = dict(method="fedavg", seed=0, round=2, model=model, group="pooled", metric="auroc")
+        assert metrics["auroc"] is not None
+        assert _value(rows, **where, **{"class": "mean"}) == pytest.approx(metrics["auroc"], abs=1e-9)
+        for cls, vals in metrics["per_class"].items():
+            if vals["auroc"] is not None:
+                assert _value(rows, **where, **{"class": cls}) == pytest.approx(vals["auroc"], abs=1e-9)
+    local = references.local(bundle, data, epochs=2, batch_size=8, seed=0, log=None)
+    assert _value(rows, method="local:site-1", seed=0, round=2, model="last", group="pooled", metric="ap",
+                  **{"class": "mean"}) == pytest.approx(local["site-1"]["test"]["ap"], abs=1e-9)
+
+
+def test_test_items_with_a_group_are_also_scored_per_group(run, tmp_path):
+    """Pooled rows are ``references.score``; a group's rows are the score of a test split holding that group only."""
+    import json
+    import shutil
+
+    from fedlabels.methods.base import to_numpy
+
+    bundle = bundle_path("cxr_resnet18")
+    grouped = tmp_path / "grouped"
+    shutil.copytree(run["out"] / "data" / "cxr-seed0", grouped)
+    path = grouped / "test" / "datalist.json"
+    items = json.loads(path.read_text())["testing"]
+    for i, item in enumerate(items):
+        item["group"] = "hospital-a" if i % 2 else "hospital-b"
+    path.write_text(json.dumps({"testing": items}))
+    only_a = tmp_path / "only-a"
+    shutil.copytree(grouped, only_a)
+    (only_a / "test" / "datalist.json").write_text(json.dumps({"testing": [i for i in items if i["group"] == "hospital-a"]}))
+
+    scorer = bench.Scorer(bundle, grouped)
+    weights = to_numpy(scorer.net.state_dict())
+    scored = {(g, c, m): v for g, c, m, v in scorer(weights)}
+    assert {g for g, _, _ in scored} == {"pooled", "hospital-a", "hospital-b"}
+    pooled = references.score(scorer.net, weights, bundle, grouped)
+    group_a = references.score(scorer.net, weights, bundle, only_a)
+    for metric in ("auroc", "ap", "bacc"):
+        assert scored[("pooled", "mean", metric)] == pooled[metric]
+        assert scored[("hospital-a", "mean", metric)] == group_a[metric]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--opt", "fedavg:no_such_option=1"], "no option 'no_such_option'"),
+    (["--opt", "fedavg:lr"], "expected METHOD:key=value"),
+    (["--opt", "fedprox:mu=0.1"], "not one of --methods"),
+    (["--eval-rounds", "1,3"], "outside 1..2"),
+    (["--eval-rounds", "0"], "outside 1..2"),
+    (["--synth", "no_such=1"], "unknown option"),
+])
+def test_bad_input_fails_before_any_cell(tmp_path, extra, message):
+    out = tmp_path / "out"
+    code, _, stderr = _main(BENCH + ["--out", out] + extra)
+    assert code == 2
+    assert message in stderr and len(stderr.strip().splitlines()) == 1
+    assert not (out / "cells").exists() and not (out / "data").exists()
+
+
+def test_unknown_method_fails_before_any_cell(tmp_path):
+    out = tmp_path / "out"
+    argv = [a if a != "fedavg,surgical" else "fedavg,no_such_method" for a in BENCH]
+    code, _, stderr = _main(argv + ["--out", out])
+    assert code == 2 and "unknown method 'no_such_method'" in stderr
+    assert not out.exists()
+
+
+def test_invalid_scenario_is_one_line(tmp_path):
+    out = tmp_path / "out"
+    argv = list(BENCH)
+    i = argv.index("embedded:cxr")
+    argv[i - 1: i + 1] = ["--data", str(tmp_path / "nowhere-seed{seed}")]
+    argv = [a for a in argv if a not in ("--synth", "cases=12", "test_cases=8")]
+    code, _, stderr = _main(argv + ["--out", out])
+    assert code == 2 and stderr.startswith("fedlabels: invalid scenario:") and "nowhere-seed0" in stderr
+    assert not (out / "cells").exists()
+
+
+def test_options_are_routed_by_name_and_parsed_as_json():
+    parser = cli.build_parser(flare=False)
+    args = parser.parse_args(BENCH + ["--out", "unused", "--opt", "all:lr=5e-05", "--opt", "surgical:weighted=true",
+                                      "--opt", "surgical:warmup_epochs=0", "--opt", "local:weight_decay=0.01",
+                                      "--local-epochs", "3"])
+    plan = bench.make_plan(args)
+    assert plan.options["fedavg"] == {"client": {"lr": 5e-05, "epochs": 3}, "server": {}}
+    assert plan.options["surgical"] == {"client": {"lr": 5e-05, "epochs": 3, "warmup_epochs": 0},
+                                        "server": {"weighted": True}}
+    assert plan.floor_client == {"lr": 5e-05, "weight_decay": 0.01}
+    assert isinstance(plan.options["fedavg"]["client"]["lr"], float)
+    # a fixed folder without {seed}: one split for every seed
+    args = parser.parse_args(["bench", "--data", "somewhere", "--bundle", "cxr_resnet18", "--methods", "fedavg",
+                              "--seeds", "0,1", "--rounds", "3", "--eval-rounds", "3,1", "--out", "unused"])
+    plan = bench.make_plan(args)
+    assert not plan.per_seed_split and plan.eval_rounds == [1, 3]
+    assert plan.data_for(0) == plan.data_for(1)
+
+
+@pytest.mark.simulator
+def test_flare_engine_matches_the_inprocess_engine(tmp_path):
+    """2 sites x 2 rounds in the FLARE simulator; the last global model scores as the in-process engine's."""
+    common = ["bench", "--bundle", "medmnist_cnn", "--methods", "fedavg", "--seeds", "0", "--rounds", "2",
+              "--batch-size", "8"]
+    flare_out = tmp_path / "flare"
+    code, _, stderr = _main(common + ["--data", "embedded:medmnist", "--synth", "sites=2", "--synth",
+                                           "labeled=[0,1]", "--synth", "cases=48", "--synth", "test_cases=16",
+                                           "--engine", "flare", "--out", flare_out])
+    assert code == 0, stderr
+    flare_rows = _read_csv(flare_out / "results.csv")
+    assert {r["method"] for r in flare_rows} == {"fedavg", "local:site-1", "local:site-2"}
+    assert {r["metric"] for r in flare_rows} == {"accuracy", "auroc"}
+    # the same data as a fixed folder, in-process
+    inproc_out = tmp_path / "inprocess"
+    code, _, stderr = _main(common + ["--data", flare_out / "data" / "medmnist-seed0", "--out", inproc_out])
+    assert code == 0, stderr
+    assert "split fixed: seeds vary initialisation and order only" in (inproc_out / "results.md").read_text()
+    inproc_rows = _read_csv(inproc_out / "results.csv")
+
+    def last(rows):
+        return {(r["class"], r["metric"]): r["value"] for r in rows if r["method"] == "fedavg" and r["model"] == "last"}
+
+    assert last(flare_rows) == last(inproc_rows)
