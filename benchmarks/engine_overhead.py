@@ -118,7 +118,7 @@ def run_repeat(rep: int, bundle, data, rounds: int, seed: int, batch_size, clien
         step_bare(0)
     mark = {"t": time.perf_counter(), "c": time.process_time()}
 
-    def on_round(record, weights):
+    def on_round(record, weights, best):
         eng_wall.append(time.perf_counter() - mark["t"])
         eng_cpu.append(time.process_time() - mark["c"])
         loads.append(os.getloadavg()[0])

@@ -191,7 +191,7 @@ def plain_worker(config_path: str) -> int:
     t_setup = time.time()
     stamps, cpu_stamps = [], []
 
-    def stamp(record, weights):
+    def stamp(record, weights, best):
         stamps.append(time.time())
         cpu_stamps.append(time.process_time())
 

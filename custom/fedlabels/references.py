@@ -19,7 +19,7 @@ from . import methods
 from .config import KEY_METRICS
 from .engine import RoundEngine
 from .methods.base import SiteContext, load_weights, to_numpy
-from .site import SiteSetup, evaluate, setup_site, test_loader, train_task
+from .site import SiteSetup, evaluate, flat_metrics, setup_site, test_loader, train_task
 from .nets import rebuild
 from .profile import SiteProfile, label_summary, load_scenario
 
@@ -40,8 +40,9 @@ def federate(method: str, site_setups: dict, rounds: int, seed=0, log=print, cli
     the same engine the FLARE controller runs.
 
     Returns {"last": weights, "best": weights (best mean site-validation score
-    of the received model), "records": per-round records}. ``on_round(record,
-    weights)`` is called after each round.
+    of a received model, or of the final one, as the FLARE controller chooses),
+    "records": per-round records}. ``on_round(record, weights, best)`` is
+    called after each round with the round's model and the best one so far.
     """
     m = methods.get(method)
     first = next(iter(site_setups.values()))
@@ -73,7 +74,17 @@ def federate(method: str, site_setups: dict, rounds: int, seed=0, log=print, cli
                                                 for s, m in sorted(record["sites"].items()))
             + f" mean {key_metric}={record[f'mean_{key_metric}']} ({record['seconds']:.1f}s)")
         if on_round:
-            on_round(record, weights)
+            on_round(record, weights, best)
+    # As the FLARE controller's cross-site validation: the final model is a best-model candidate too.
+    final = {}
+    for s, client in clients.items():
+        client.receive(weights)
+        st = site_setups[s]
+        m = flat_metrics(evaluate(client.net, st.val_loader, st.task, st.classes, st.device))
+        if key_metric in m:
+            final[s] = m[key_metric]
+    if engine.score_final(final)[1]:
+        best = weights
     engine.check_progress()
     return {"last": weights, "best": best, "records": records}
 
