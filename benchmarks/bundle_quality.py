@@ -1,7 +1,7 @@
 """Test-set quality of each bundle trained without federation on the default synthetic scenarios.
 
 Two non-federated references per bundle, trained through the bundle's own
-path (``fedlabels.export.train_bundle`` = ``monai.bundle.ConfigWorkflow`` on
+path (``fedlabels.bundle.workflows.train_bundle`` = ``monai.bundle.ConfigWorkflow`` on
 ``configs/train.json``) and scored on the scenario's held-out, fully labeled
 test split (``evaluate_bundle``):
 
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     from fedlabels.data.synthetic import default_scenario
-    from fedlabels.export import evaluate_bundle, train_bundle
+    from fedlabels.bundle.workflows import evaluate_bundle, train_bundle
     from fedlabels.profile import load_scenario
 
     out = Path(args.out)

@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
     from fedlabels.data.synthetic import generate
-    from fedlabels.export import bundle_path
+    from fedlabels.bundle import bundle_path
     from fedlabels.profile import load_scenario
 
     bundle = bundle_path("cxr_resnet18")

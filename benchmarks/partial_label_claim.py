@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from fedlabels.data.synthetic import generate
-from fedlabels.export import bundle_path
+from fedlabels.bundle import bundle_path
 from fedlabels.site import test_loader
 from fedlabels.references import federate, score, setups
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from fedlabels import bench, cli, references
-from fedlabels.export import bundle_path
+from fedlabels.bundle import bundle_path
 
 BENCH = ["bench", "--data", "embedded:cxr", "--synth", "cases=12", "--synth", "test_cases=8", "--bundle",
          "cxr_resnet18", "--methods", "fedavg,surgical", "--seeds", "0", "--rounds", "2", "--batch-size", "8"]

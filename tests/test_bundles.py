@@ -1,7 +1,7 @@
 """The four MONAI bundles, end to end, through MONAI's own bundle machinery.
 
 Per bundle, on a tiny generated scenario (module-scoped, built once): train one
-epoch with ``monai.bundle.ConfigWorkflow`` (``fedlabels.export.train_bundle``),
+epoch with ``monai.bundle.ConfigWorkflow`` (``fedlabels.bundle.workflows.train_bundle``),
 evaluate on the test split, export (``monai.bundle.ckpt_export``), compare
 TorchScript with eager, run ``configs/inference.json`` on new images,
 ``verify_net_in_out``, and check the metadata against the MONAI bundle
@@ -23,9 +23,10 @@ import torch
 from monai.bundle import ConfigParser, ConfigWorkflow, run, verify_net_in_out
 from PIL import Image
 
-from fedlabels import bundle_data
+from fedlabels.bundle import data as bundle_data
 from fedlabels.data.synthetic import generate
-from fedlabels.export import bundle_path, check_torchscript, evaluate_bundle, export_bundle, load_state_dict, train_bundle
+from fedlabels.bundle import bundle_path
+from fedlabels.bundle.workflows import check_torchscript, evaluate_bundle, export_bundle, load_state_dict, train_bundle
 from fedlabels.profile import ScenarioError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -465,7 +466,7 @@ def test_best_checkpoint_skips_undefined_key_metric(saver_cls, tmp_path):
     from ignite.engine import Engine, Events
     from monai.handlers import CheckpointSaver
 
-    from fedlabels.bundle_handlers import BestMetricCheckpointSaver
+    from fedlabels.bundle.handlers import BestMetricCheckpointSaver
 
     net = torch.nn.Linear(1, 1)
     scores = [float("nan"), 0.5, 0.4, 0.7, 0.6]

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from fedlabels.data.synthetic import CXR_CLASSES, CXR_SITE_CLASSES, generate
-from fedlabels.export import bundle_path
+from fedlabels.bundle import bundle_path
 from fedlabels.site import test_loader
 from fedlabels.references import federate, score, setups
 

@@ -137,7 +137,7 @@ def test_scenario_error_wrapped_by_a_library_is_found():
 
 
 def test_train_bundle_validates_before_monai(scenarios, tmp_path):
-    from fedlabels.export import train_bundle
+    from fedlabels.bundle.workflows import train_bundle
 
     with pytest.raises(ScenarioError, match="field 'label'"):
         train_bundle("cxr_resnet18", scenarios["short"], tmp_path / "out")

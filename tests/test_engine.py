@@ -355,7 +355,7 @@ def test_state_dict_round_trip():
 @pytest.fixture(scope="module")
 def cxr(tmp_path_factory):
     from fedlabels.data.synthetic import generate
-    from fedlabels.export import bundle_path
+    from fedlabels.bundle import bundle_path
 
     data = generate("cxr", tmp_path_factory.mktemp("engine") / "cxr", seed=0, cases=8, test_cases=4)
     return bundle_path("cxr_resnet18"), data

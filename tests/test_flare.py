@@ -258,7 +258,7 @@ def test_fedbn_global_model_carries_learned_statistics_and_exports_what_is_repor
     """Under FedBN the saved global model holds the sites' mean learned batch-norm
     statistics (not the initial identity), and its exported TorchScript scores on the
     test split exactly what `fedlabels report` (evaluate_global) reports."""
-    from fedlabels.export import export_bundle
+    from fedlabels.bundle.workflows import export_bundle
     from fedlabels.site import evaluate, test_loader
 
     run_dir, _ = job_runs("fedbn_cxr")

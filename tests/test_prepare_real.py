@@ -184,7 +184,7 @@ def test_fedmix_ph2_pixel_box_image_sites(tmp_path):
 ])
 def test_a_bundle_trains_one_epoch_on_each_real_scenario(tmp_path, bundle, dataset, protocol, extra, overrides):
     """The prepared folders are what the MONAI bundles read (same format as the synthetic ones)."""
-    export = pytest.importorskip("fedlabels.export")
+    export = pytest.importorskip("fedlabels.bundle.workflows")
     bundle_dir = Path(__file__).resolve().parents[1] / "bundles" / bundle
     if not (bundle_dir / "configs" / "train.json").is_file():
         pytest.skip(f"bundle {bundle} not in this checkout")

@@ -3,7 +3,7 @@
 import torch
 
 from fedlabels.data.synthetic import generate
-from fedlabels.export import bundle_path
+from fedlabels.bundle import bundle_path
 from fedlabels.methods.base import SiteContext
 from fedlabels.site import setup_site
 

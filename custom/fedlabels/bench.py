@@ -161,7 +161,7 @@ def _route(method, key: str, value, opts: dict) -> None:
 def make_plan(args) -> Plan:
     """Check every argument (methods, bundle, rounds, options, engine, synthetic options); no data is touched."""
     from . import methods
-    from .export import bundle_path
+    from .bundle import bundle_path
 
     names = list(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
     if not names:
@@ -233,7 +233,7 @@ def prepare_data(plan: Plan) -> None:
     """Generate the embedded scenarios (one per seed) and validate every seed's scenario before any training."""
     from . import methods
     from .profile import load_scenario, write_json_atomic
-    from .site import read_bundle
+    from .bundle import read
 
     for seed in plan.seeds:
         root = plan.data_for(seed)
@@ -264,7 +264,7 @@ def prepare_data(plan: Plan) -> None:
             raise ValueError(f"{plan.datasets[seed]}: task {sc.task} / classes {list(sc.classes)} differ from "
                              f"{plan.datasets[plan.seeds[0]]} ({first.task} / {list(first.classes)}): seeds must "
                              "split the same problem")
-    task = read_bundle(plan.bundle, plan.datasets[plan.seeds[0]]).get_parsed_content("task")
+    task = read(plan.bundle, plan.datasets[plan.seeds[0]]).get_parsed_content("task")
     if task != first.task:
         raise ValueError(f"bundle {plan.bundle.name}: task {task!r} does not match the scenario's task {first.task!r}")
     for name in plan.methods:
@@ -289,7 +289,7 @@ def floor_method(task: str) -> str:
 
 def floor_sites(scenario) -> list:
     """Sites with something a supervised client learns from (labeled cases; segmentation: pixel masks)."""
-    from . import bundle_data
+    from .bundle import data as bundle_data
 
     out = []
     for name, site in scenario.sites.items():
@@ -341,13 +341,13 @@ class Scorer:
         from torch.utils.data import Subset
 
         from .profile import load_scenario
-        from .site import read_bundle, test_loader
+        from .bundle import network
+        from .site import test_loader
 
         sc = load_scenario(data, sites=[], with_test=True)
         self.task, self.classes = sc.task, sc.classes
         self.loader = test_loader(bundle, data)
-        self.net = read_bundle(bundle, data, class_names=list(sc.classes)).get_parsed_content("network_def",
-                                                                                              instantiate=True)
+        self.net = network(bundle, dataset_dir=data, class_names=list(sc.classes))
         self.n = len(sc.test)
         self.groups = {POOLED: self.loader}
         names = [i.get("group") for i in sc.test]
@@ -432,7 +432,7 @@ def run_federated_inprocess(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict
 def run_federated_flare(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict:
     """The same method as a FLARE job in the simulator; its last and best global models scored."""
     from .config import KEY_METRICS
-    from .export import load_state_dict
+    from .bundle.workflows import load_state_dict
     from .flare.commands import simulate
     from .flare.job import JobSpec, export
 

@@ -61,21 +61,21 @@ def cmd_validate(args):
 
 
 def cmd_train(args):
-    from .export import train_bundle
+    from .bundle.workflows import train_bundle
 
     ckpt = train_bundle(args.bundle, args.data, args.out, site=args.site, epochs=args.epochs, oracle=args.oracle)
     _say(f"checkpoint: {ckpt}")
 
 
 def cmd_evaluate(args):
-    from .export import evaluate_bundle
+    from .bundle.workflows import evaluate_bundle
 
     metrics = evaluate_bundle(args.bundle, args.ckpt, args.data, out=args.out, split=args.split)
     _say(json.dumps({k: v for k, v in metrics.items() if k != "per_case"}, indent=1))
 
 
 def cmd_export(args):
-    from .export import export_bundle
+    from .bundle.workflows import export_bundle
 
     out = export_bundle(args.bundle, args.ckpt, args.out)
     _say(f"exported bundle: {out}")
@@ -83,7 +83,7 @@ def cmd_export(args):
 
 def cmd_baseline(args):
     from . import references
-    from .export import bundle_path
+    from .bundle import bundle_path
     from .flare.commands import comparison_table, label_counts
 
     bundle = bundle_path(args.bundle)

@@ -14,22 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from monai.bundle import ConfigParser
 from monai.data import CacheDataset, DataLoader
 
-from . import bundle_data
+from .bundle import data as bundle_data
+from .bundle import network, read
 from .methods.base import SiteContext, Update, site_seed
 from .metrics import multiclass_metrics, multilabel_metrics, segmentation_metrics
 from .profile import Scenario, SiteData, load_scenario, write_atomic
-
-
-def read_bundle(bundle, dataset_dir, **overrides) -> ConfigParser:
-    """The bundle's train config with ``dataset_dir`` and overrides applied."""
-    bundle = Path(bundle).resolve()
-    parser = ConfigParser()
-    parser.read_config(str(bundle / "configs" / "train.json"))
-    parser.update({"bundle_root": str(bundle), "dataset_dir": str(dataset_dir), **overrides})
-    return parser
 
 
 @dataclass
@@ -101,14 +92,12 @@ def setup_site(bundle, dataset_dir, site_name: str, *, batch_size=None, seed=0, 
     seed = site_seed(seed, site_name)
     scenario = load_scenario(dataset_dir, sites=[site_name], with_test=False)
     site = scenario.site(site_name)
-    parser = read_bundle(bundle, dataset_dir, site=site_name, class_names=list(scenario.classes))
+    parser = read(bundle, dataset_dir, site=site_name, class_names=list(scenario.classes))
     task = parser.get_parsed_content("task")
     if task != scenario.task:
         raise ValueError(f"{bundle}: bundle task {task!r} does not match scenario task {scenario.task!r} ({dataset_dir})")
-    for key, value in (network_overrides or {}).items():
-        parser[f"network_def#{key}"] = value
     torch.manual_seed(seed)
-    net = parser.get_parsed_content("network_def", instantiate=True).to(device)
+    net = network(bundle, network_overrides, parser=parser).to(device)
     bs = batch_size or parser.get_parsed_content("batch_size")
     train_tf = parser.get_parsed_content("train#preprocessing", instantiate=True)
     val_tf = parser.get_parsed_content("validate#preprocessing", instantiate=True)
@@ -128,7 +117,7 @@ def setup_site(bundle, dataset_dir, site_name: str, *, batch_size=None, seed=0, 
 def test_loader(bundle, dataset_dir, batch_size=64) -> DataLoader:
     """The scenario's fully labeled test split with the bundle's validation transforms."""
     scenario = load_scenario(dataset_dir, sites=[], with_test=True)
-    parser = read_bundle(bundle, dataset_dir, class_names=list(scenario.classes))
+    parser = read(bundle, dataset_dir, class_names=list(scenario.classes))
     val_tf = parser.get_parsed_content("validate#preprocessing", instantiate=True)
     items = [bundle_data.bundle_item(i, scenario.task, labeled_only=False) for i in scenario.test or []]
     if not items:

@@ -27,23 +27,12 @@ import torch
 from nvflare.app_common.abstract.fl_model import FLModel
 
 from .. import methods
+from ..bundle import bundle_path
 from ..config import FILE, RunConfig
 from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, RESUME, to_numpy
 from ..profile import ScenarioError
 from ..site import evaluate, flat_metrics, load_state, save_state, setup_site, train_task
 from .controller import FATAL, SUMMARY, THREADS
-
-
-def find_bundle(name: str, here: Path | None = None) -> Path:
-    """A bundle path, or a name looked up in the job's custom folder, then ./bundles."""
-    candidates = [Path(name)]
-    if here is not None:
-        candidates.append(here / Path(name).name)
-    candidates.append(Path(__file__).resolve().parents[3] / "bundles" / Path(name).name)
-    for c in candidates:
-        if (c / "configs" / "train.json").is_file():
-            return c.resolve()
-    raise FileNotFoundError(f"bundle {name!r} not found (looked in {[str(c) for c in candidates]})")
 
 
 def build_parser():
@@ -90,7 +79,7 @@ def prepare(cfg: RunConfig, args, site: str, here: Path | None):
     """Everything a site needs, validated before the first round."""
     cfg.validate("client")
     method = methods.get(cfg.method)
-    setup = setup_site(find_bundle(cfg.bundle, here), data_root(args, cfg), site, batch_size=cfg.data.get("batch_size"),
+    setup = setup_site(bundle_path(cfg.bundle, here), data_root(args, cfg), site, batch_size=cfg.data.get("batch_size"),
                        seed=cfg.seed, device=args.device, network_overrides=cfg.network, unlabeled=method.uses_unlabeled,
                        strong_view=method.strong_view)
     if setup.task not in method.tasks:

@@ -131,13 +131,14 @@ def evaluate_global(run_dir, bundle, data, which="best") -> dict:
     """Test-split metrics of a run's global model (``best`` or ``last``)."""
     import torch
 
-    from ..export import load_state_dict
-    from ..site import evaluate, read_bundle, test_loader
+    from ..bundle import network
+    from ..bundle.workflows import load_state_dict
+    from ..site import evaluate, test_loader
 
     name = {"best": "best_FL_global_model.pt", "last": "FL_global_model.pt"}[which]
     ckpt = Path(run_dir) / "app_server" / name
     scenario = load_scenario(data, sites=[], with_test=False)
-    net = read_bundle(bundle, data, class_names=list(scenario.classes)).get_parsed_content("network_def", instantiate=True)
+    net = network(bundle, class_names=list(scenario.classes))
     net.load_state_dict({k: torch.as_tensor(v) for k, v in load_state_dict(ckpt).items()})
     return evaluate(net, test_loader(bundle, data), scenario.task, scenario.classes)
 
@@ -204,7 +205,7 @@ def cmd_simulate(args):
 
 
 def cmd_report(args):
-    from ..export import bundle_path
+    from ..bundle import bundle_path
 
     data = args.data or str(_default_data())
     results = {}
@@ -229,7 +230,8 @@ DEMO_METHODS = ("fedavg", "surgical", "fedpsl")
 
 def cmd_demo(args):
     """The main job: FedAvg vs Surgical Aggregation vs FedPSL on the embedded cxr scenario."""
-    from ..export import bundle_path, export_bundle
+    from ..bundle import bundle_path
+    from ..bundle.workflows import export_bundle
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

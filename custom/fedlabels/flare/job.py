@@ -23,7 +23,7 @@ from nvflare.client.config import ExchangeFormat
 from nvflare.job_config.api import FedJob
 
 from ..config import FILE, RunConfig
-from ..site import read_bundle
+from ..bundle import bundle_path, network
 from .controller import FedLabelsController
 
 REPO = Path(__file__).resolve().parents[3]
@@ -80,22 +80,14 @@ OTHER_TASK_JOBS = [
 JOBS = {spec.name: spec for spec in CXR_JOBS + OTHER_TASK_JOBS}
 
 
-def server_network(spec: JobSpec):
-    """The bundle's network, instantiated for the server's persistor."""
-    bundle = REPO / "bundles" / Path(spec.bundle).name if not Path(spec.bundle).is_dir() else Path(spec.bundle)
-    parser = read_bundle(bundle, "")
-    for key, value in spec.network.items():
-        parser[f"network_def#{key}"] = value
-    return parser.get_parsed_content("network_def", instantiate=True), bundle
-
-
 def build_job(spec: JobSpec, workdir) -> FedJob:
     """The job; its ``fedlabels.json`` is written into ``workdir``, which must outlive the export."""
     cfg = spec.config()
     cfg.validate("server")
     cfg.validate("client")
     config_file = cfg.save(Path(workdir) / FILE)
-    net, bundle = server_network(spec)
+    bundle = bundle_path(spec.bundle)
+    net = network(bundle, spec.network)  # the server's persistor
     job = FedJob(name=spec.name, min_clients=spec.sites)
     # fedlabels is pip-installed at every site and server: reference it, don't copy it.
     job.set_app_packages(["fedlabels"])

@@ -28,28 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-logger = logging.getLogger("fedlabels.export")
+from . import bundle_path
+
+logger = logging.getLogger("fedlabels.bundle")
 
 BUNDLE_FILES = ("configs", "docs", "LICENSE")
-
-
-def bundles_dir() -> Path:
-    """The repository's ``bundles/`` folder (``FEDLABELS_BUNDLES`` overrides)."""
-    env = os.environ.get("FEDLABELS_BUNDLES")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "bundles"
-
-
-def bundle_path(bundle) -> Path:
-    """A bundle folder, or the name of one under ``bundles/``."""
-    path = Path(str(bundle)).expanduser()
-    if not (path / "configs" / "metadata.json").is_file():
-        named = bundles_dir() / str(bundle)
-        if (named / "configs" / "metadata.json").is_file():
-            path = named
-        else:
-            have = sorted(p.name for p in bundles_dir().glob("*") if (p / "configs" / "metadata.json").is_file())
-            raise FileNotFoundError(f"{bundle}: not a bundle folder (no configs/metadata.json); bundles: {have}")
-    return path.resolve()
 
 
 def _config(bundle: Path, *names: str) -> list:
@@ -79,7 +62,7 @@ def check_scenario(data) -> None:
     ConfigParser wraps whatever they raise in a long chained traceback; checked
     here, a malformed scenario is one ``ScenarioError`` naming file and field.
     """
-    from .profile import load_scenario
+    from ..profile import load_scenario
 
     load_scenario(data)
 
@@ -440,5 +423,5 @@ def check_torchscript(bundle, atol: float = 1e-4, rtol: float = 1e-4) -> float:
     return diff
 
 
-__all__ = ["train_bundle", "evaluate_bundle", "export_bundle", "load_state_dict", "torch_load", "check_torchscript", "bundle_path",
-           "bundles_dir", "check_scenario"]
+__all__ = ["train_bundle", "evaluate_bundle", "export_bundle", "load_state_dict", "torch_load", "check_torchscript",
+           "check_scenario"]

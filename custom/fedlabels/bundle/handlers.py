@@ -28,7 +28,7 @@ from ignite.engine import Engine, Events
 from ignite.metrics import Metric
 from monai.handlers import CheckpointSaver
 
-from . import metrics as fm
+from .. import metrics as fm
 
 logger = logging.getLogger("fedlabels.bundle")
 

@@ -24,7 +24,7 @@ import torch
 from monai.config import KeysCollection
 from monai.transforms import MapTransform, RandomizableTransform
 
-from .profile import IMAGE_SUFFIXES, ScenarioError, load_scenario
+from ..profile import IMAGE_SUFFIXES, ScenarioError, load_scenario
 
 TEST_SPLITS = ("test", "testing")
 INFERENCE_SUFFIXES = (".png", ".jpg", ".jpeg", ".nii", ".nii.gz", ".dcm")
@@ -125,7 +125,7 @@ def scenario_info(dataset_dir) -> dict:
 
 def default_dataset(family: str, **kwargs) -> str:
     """The embedded synthetic scenario (generated and cached on first use)."""
-    from .data.synthetic import default_scenario
+    from ..data.synthetic import default_scenario
 
     return str(default_scenario(family, **kwargs))
 

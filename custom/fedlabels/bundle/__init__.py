@@ -1,0 +1,54 @@
+"""MONAI bundles: one way to find a bundle, read its configuration and build its network.
+
+* ``data``      -- scenario folders as MONAI datalists, and the bundles' own transforms;
+* ``handlers``  -- the Ignite handlers the bundle configs use;
+* ``workflows`` -- train / evaluate / export a bundle (``monai.bundle`` underneath).
+
+Every caller (the CLI, a FLARE site, the FLARE server's persistor, the
+in-process references, the benchmarks) goes through ``bundle_path``,
+``read`` and ``network``, so they all see the same network.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def bundles_dir() -> Path:
+    """The repository's ``bundles/`` folder (``FEDLABELS_BUNDLES`` overrides)."""
+    env = os.environ.get("FEDLABELS_BUNDLES")
+    return Path(env) if env else Path(__file__).resolve().parents[3] / "bundles"
+
+
+def bundle_path(bundle, here=None) -> Path:
+    """A bundle folder, or the name of one: looked up in ``here`` (a FLARE job's
+    custom folder, where the bundle travels), then under ``bundles/``."""
+    path = Path(str(bundle)).expanduser()
+    candidates = [path] + ([Path(here) / path.name] if here is not None else []) + [bundles_dir() / path.name]
+    for c in candidates:
+        if (c / "configs" / "metadata.json").is_file():
+            return c.resolve()
+    have = sorted(p.name for p in bundles_dir().glob("*") if (p / "configs" / "metadata.json").is_file())
+    raise FileNotFoundError(f"{bundle}: not a bundle folder (no configs/metadata.json; looked in "
+                            f"{[str(c) for c in candidates]}); bundles: {have}")
+
+
+def read(bundle, dataset_dir="", **overrides):
+    """The bundle's train config (``monai.bundle.ConfigParser``) with ``dataset_dir`` and overrides applied."""
+    from monai.bundle import ConfigParser
+
+    bundle = bundle_path(bundle)
+    parser = ConfigParser()
+    parser.read_config(str(bundle / "configs" / "train.json"))
+    parser.update({"bundle_root": str(bundle), "dataset_dir": str(dataset_dir), **overrides})
+    return parser
+
+
+def network(bundle, overrides: dict | None = None, parser=None, **config):
+    """The bundle's ``network_def`` instantiated, with network overrides (e.g. ``hidden``,
+    ``init_ckpt``) applied; ``config`` overrides the config itself (e.g. ``class_names``)."""
+    parser = parser or read(bundle, **config)
+    for key, value in (overrides or {}).items():
+        parser[f"network_def#{key}"] = value
+    return parser.get_parsed_content("network_def", instantiate=True)
