@@ -30,6 +30,8 @@ def test_same_seed_same_bytes_other_seed_differs(tmp_path):
 
 def test_cxr_partial_label_layout(tmp_path):
     sc = load_scenario(generate("cxr", tmp_path / "cxr", seed=0, cases=60, test_cases=20))
+    # each test case says whose site style it was drawn in (benchmarks score per group)
+    assert [i["group"] for i in sc.test[:5]] == ["site-1", "site-2", "site-3", "site-4", "site-1"]
     counts = {c: 0 for c in sc.classes}
     for k, site in enumerate(sc.sites.values()):
         assert list(site.profile.annotated) == [c for c in sc.classes if c in CXR_SITE_CLASSES[k]]

@@ -34,7 +34,7 @@ from .partition import FEDPSL_CLASSES_6, FEDPSL_SITE_CLASSES_6
 
 FAMILIES = ("cxr", "medmnist", "lesion")
 # Part of the cache key: bump when what a seed produces changes (images, labels, site sizes).
-GENERATOR_VERSION = "v3"
+GENERATOR_VERSION = "v4"
 
 # FedPSL Table I: the six findings and which of them each of the four sites annotates.
 CXR_CLASSES, CXR_SITE_CLASSES = FEDPSL_CLASSES_6, FEDPSL_SITE_CLASSES_6
@@ -290,7 +290,7 @@ def generate(family: str, out, seed: int = 0, size: int | None = None, cases: in
             test = []
             for i in range(test_cases):
                 _save_png(_mk(tmp / "test" / "images") / f"{i:05d}.png", cxr_image(rng, labels[i], size, shifts[i % sites]))
-                test.append({"image": f"images/{i:05d}.png", "label": labels[i].tolist()})
+                test.append({"image": f"images/{i:05d}.png", "label": labels[i].tolist(), "group": f"site-{i % sites + 1}"})
         elif family == "medmnist":
             size, cases, test_cases = size or 28, cases or 2400, test_cases or 800
             task, classes = "multiclass", MEDMNIST_CLASSES
@@ -321,7 +321,7 @@ def generate(family: str, out, seed: int = 0, size: int | None = None, cases: in
             for i in range(test_cases):
                 c = i % len(classes)
                 _save_png(_mk(tmp / "test" / "images") / f"{i:05d}.png", medmnist_image(rng, c, size, shifts[i % sites]))
-                test.append({"image": f"images/{i:05d}.png", "label": c})
+                test.append({"image": f"images/{i:05d}.png", "label": c, "group": f"site-{i % sites + 1}"})
         else:
             size, cases, test_cases = size or 64, cases or 120, test_cases or 120
             task, classes = "segmentation", LESION_CLASSES
@@ -353,7 +353,7 @@ def generate(family: str, out, seed: int = 0, size: int | None = None, cases: in
                 img, mask = lesion_image(rng, size, shifts[i % sites], lesion=rng.random() > 0.2)
                 _save_png(_mk(tmp / "test" / "images") / f"{i:05d}.png", img)
                 _save_png(_mk(tmp / "test" / "masks") / f"{i:05d}.png", mask.astype(np.uint8) * 255)
-                test.append({"image": f"images/{i:05d}.png", "seg": f"masks/{i:05d}.png"})
+                test.append({"image": f"images/{i:05d}.png", "seg": f"masks/{i:05d}.png", "group": f"site-{i % sites + 1}"})
         write_json_atomic(tmp / "test" / "datalist.json", {"testing": test})
         write_yaml(tmp / "scenario.yaml", {
             "name": f"synthetic-{family}",
