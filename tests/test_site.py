@@ -30,3 +30,15 @@ def test_one_view_unless_asked(tmp_path):
     setup = setup_site(bundle_path("lesion_unet"), data, "site-1", batch_size=4)
     assert "image_strong" not in next(iter(setup.train_loader))
     assert isinstance(setup.context(), SiteContext)
+
+
+def test_context_keeps_the_raw_items_for_the_method(tmp_path):
+    """A supervised loader holds the pixel-labeled cases only; the method still sees every
+    case's supervision level and boxes through the context."""
+    data = generate("lesion", tmp_path / "lesion", seed=0, cases=12, test_cases=4)
+    setup = setup_site(bundle_path("lesion_unet"), data, "site-2", batch_size=4)
+    ctx = setup.context()
+    levels = {i.get("supervision", setup.site.profile.supervision) for i in ctx.items}
+    assert len(ctx.items) == len(setup.site.training) > 0
+    assert "pixel" not in levels and len(setup.train_loader.dataset) == 0  # nothing a Dice loss can use
+    assert any(i.get("boxes") for i in ctx.items)

@@ -225,6 +225,12 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"fedlabels: {_one_line(e)}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a run that failed (e.g. no round aggregated); the log has the details
+        if _scenario_error(e) is None:
+            print(f"fedlabels: {_one_line(e)}", file=sys.stderr)
+            return 1
+        print(f"fedlabels: invalid scenario: {_one_line(_scenario_error(e))}", file=sys.stderr)
+        return 2
     except Exception as e:
         cause = _scenario_error(e)
         if cause is None:

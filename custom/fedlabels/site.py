@@ -36,7 +36,8 @@ class SiteSetup:
     device: str = "cpu"
 
     def context(self) -> SiteContext:
-        return SiteContext(self.site.profile, self.train_loader, self.site.summary(), self.val_loader, self.seed, self.device)
+        return SiteContext(self.site.profile, self.train_loader, self.site.summary(), self.val_loader, self.seed,
+                           self.device, list(self.site.training))
 
 
 class TwoViews(torch.utils.data.Dataset):

@@ -105,7 +105,10 @@ class SiteContext:
     a second, strongly augmented view of the same cases, when the bundle
     defines ``train#strong_preprocessing``); ``val`` is the site's validation
     loader (may be None); ``summary`` is ``profile.label_summary`` of the
-    training cases; ``seed`` is the site's seed (``site_seed``).
+    training cases; ``seed`` is the site's seed (``site_seed``); ``items`` are
+    the site's validated training items as the scenario gives them
+    (supervision level, boxes, image-level classes: what a method needs beyond
+    the loader's image and label).
     """
 
     profile: SiteProfile
@@ -114,6 +117,7 @@ class SiteContext:
     val: object = None
     seed: int = 0
     device: str = "cpu"
+    items: list = field(default_factory=list)
 
     def reseed(self, round: int) -> None:
         """Seed everything random in a round from (site seed, round): shuffling,
