@@ -62,7 +62,9 @@ def test_writes_table_floors_and_plots(run):
     for m in ("fedavg", "surgical"):
         assert {r["model"] for r in rows if r["method"] == m} == {"last", "best"}
     assert {r["model"] for r in rows if r["method"].startswith("local:")} == {"last"}
-    assert {r["split"] for r in rows} == {"test"} and {r["group"] for r in rows} == {"pooled"}
+    # pooled, and per site-style group (the embedded test cases name the style they were drawn in)
+    assert {r["split"] for r in rows} == {"test"}
+    assert {r["group"] for r in rows} == {"pooled", "site-1", "site-2", "site-3", "site-4"}
     assert {r["metric"] for r in rows} == {"auroc", "ap", "bacc"}
     assert {r["round"] for r in rows} == {"2"}
     # every defined value is a number in [0, 1]; undefined ones are empty, never 0 or NaN
