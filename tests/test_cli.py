@@ -111,8 +111,8 @@ def test_multiline_yaml_error_is_printed_on_one_line(runs, scenarios):
 def test_check_scenario_only_for_commands_with_data(scenarios):
     parse = lambda *a: cli.build_parser(flare=False).parse_args([str(x) for x in a])  # noqa: E731
     with pytest.raises(ScenarioError, match="field 'label'"):
-        cli.check_scenario(parse("train", "--bundle", "b", "--data", scenarios["short"], "--out", "o"))
-    cli.check_scenario(parse("train", "--bundle", "b", "--data", scenarios["good"], "--out", "o"))
+        cli.check_scenario(parse("baseline", "local", "--data", scenarios["short"]))
+    cli.check_scenario(parse("baseline", "local", "--data", scenarios["good"]))
     cli.check_scenario(parse("export", "--bundle", "b", "--ckpt", "c", "--out", "o"))  # reads no scenario
 
 

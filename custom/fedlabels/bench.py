@@ -352,8 +352,9 @@ class Scorer:
         self.groups = {POOLED: self.loader}
         names = [i.get("group") for i in sc.test]
         if any(g is not None for g in names):
-            for g in sorted({str(n) if n is not None else "(no group)" for n in names}):
-                idx = [i for i, n in enumerate(names) if (str(n) if n is not None else "(no group)") == g]
+            names = ["(no group)" if n is None else str(n) for n in names]
+            for g in sorted(set(names)):
+                idx = [i for i, n in enumerate(names) if n == g]
                 self.groups[g] = DataLoader(Subset(self.loader.dataset, idx), batch_size=self.loader.batch_size,
                                             shuffle=False, num_workers=0)
 

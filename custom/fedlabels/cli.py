@@ -29,10 +29,11 @@ from .profile import ScenarioError
 # listing) is asked for.
 FLARE_COMMANDS = ("jobs", "simulate", "report", "demo")
 
-# Subcommands that read a scenario folder given as --data: main() validates it
-# with profile.load_scenario before the command runs, so a malformed scenario
-# is one ScenarioError line before any model code is imported or trained.
-SCENARIO_COMMANDS = ("train", "evaluate", "baseline", "simulate", "report")
+# Subcommands that read a scenario folder given as --data and do not validate it
+# themselves (train and evaluate do, in bundle.workflows): main() validates it
+# with profile.load_scenario first, so a malformed scenario is one ScenarioError
+# line before any model code is imported or trained.
+SCENARIO_COMMANDS = ("baseline", "simulate", "report")
 
 
 def _say(msg: str) -> None:
@@ -225,18 +226,15 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"fedlabels: {_one_line(e)}", file=sys.stderr)
         return 2
-    except RuntimeError as e:  # a run that failed (e.g. no round aggregated); the log has the details
-        if _scenario_error(e) is None:
+    except Exception as e:
+        cause = _scenario_error(e)  # a library (MONAI's ConfigParser) may wrap it
+        if cause is not None:
+            print(f"fedlabels: invalid scenario: {_one_line(cause)}", file=sys.stderr)
+            return 2
+        if isinstance(e, RuntimeError):  # a run that failed (e.g. no round aggregated); its log has the rest
             print(f"fedlabels: {_one_line(e)}", file=sys.stderr)
             return 1
-        print(f"fedlabels: invalid scenario: {_one_line(_scenario_error(e))}", file=sys.stderr)
-        return 2
-    except Exception as e:
-        cause = _scenario_error(e)
-        if cause is None:
-            raise
-        print(f"fedlabels: invalid scenario: {_one_line(cause)}", file=sys.stderr)
-        return 2
+        raise
     return 0
 
 

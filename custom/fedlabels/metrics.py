@@ -99,9 +99,9 @@ def dice_per_case(pred, target) -> np.ndarray:
 def segmentation_metrics(pred, target, classes=None) -> dict:
     """Hard Dice per case; with ``classes`` (masks shaped [N, C, ...]) also per class.
 
-    ``dice`` is the mean over cases (single class) or over classes (several)."""
+    ``dice`` is the mean over cases (no ``classes``) or over classes."""
     pred, target = np.asarray(pred), np.asarray(target)
-    if classes is None or len(classes) == 1 and pred.ndim > 1 and pred.shape[1] != 1:
+    if classes is None:
         dice = dice_per_case(pred, target)
         return {"dice": float(dice.mean()) if len(dice) else None, "dice_per_case": dice.tolist()}
     per_class = {}

@@ -19,7 +19,7 @@ from . import methods
 from .config import KEY_METRICS
 from .engine import RoundEngine
 from .methods.base import SiteContext, load_weights, to_numpy
-from .site import SiteSetup, evaluate, flat_metrics, setup_site, test_loader, train_task
+from .site import SiteSetup, evaluate, flat_metrics, setup_site, test_loader, train_task, validate_task
 from .nets import rebuild
 from .profile import SiteProfile, label_summary, load_scenario
 
@@ -70,19 +70,14 @@ def federate(method: str, site_setups: dict, rounds: int, seed=0, log=print, cli
             best = received
         record["seconds"] = time.time() - t0
         records.append(record)
-        say("info", f"round {rnd}: " + " ".join(f"{s}={m.get('train_loss', float('nan')):.3f}"
-                                                for s, m in sorted(record["sites"].items()))
+        say("info", f"round {rnd}: " + " ".join(f"{s}={r.get('train_loss', float('nan')):.3f}"
+                                                for s, r in sorted(record["sites"].items()))
             + f" mean {key_metric}={record[f'mean_{key_metric}']} ({record['seconds']:.1f}s)")
         if on_round:
             on_round(record, weights, best)
     # As the FLARE controller's cross-site validation: the final model is a best-model candidate too.
-    final = {}
-    for s, client in clients.items():
-        client.receive(weights)
-        st = site_setups[s]
-        m = flat_metrics(evaluate(client.net, st.val_loader, st.task, st.classes, st.device))
-        if key_metric in m:
-            final[s] = m[key_metric]
+    final = {s: flat_metrics(validate_task(client, site_setups[s], weights)).get(key_metric) for s, client in clients.items()}
+    final = {s: v for s, v in final.items() if v is not None}
     if engine.score_final(final)[1]:
         best = weights
     engine.check_progress()

@@ -167,11 +167,16 @@ def flat_metrics(metrics: dict, prefix="val_") -> dict:
 
 
 
+def validate_task(client, setup: SiteSetup, weights: dict) -> dict:
+    """A model as this site sees it (FedBN: with its own batch norm), scored on its validation data."""
+    client.receive(weights)
+    return evaluate(client.net, setup.val_loader, setup.task, setup.classes, setup.device)
+
+
 def train_task(client, setup: SiteSetup, weights: dict, rnd: int, extras: dict) -> Update:
     """A site's part of a round: score the received model on local validation
     data (for best-model selection), then run the method's client rule."""
-    client.receive(weights)
-    received = flat_metrics(evaluate(client.net, setup.val_loader, setup.task, setup.classes, setup.device))
+    received = flat_metrics(validate_task(client, setup, weights))
     update = client.train(weights, rnd, extras)
     update.metrics.update(received)
     return update

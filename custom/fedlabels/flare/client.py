@@ -31,7 +31,7 @@ from ..bundle import bundle_path
 from ..config import FILE, RunConfig
 from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, RESUME, to_numpy
 from ..profile import ScenarioError
-from ..site import evaluate, flat_metrics, load_state, save_state, setup_site, train_task
+from ..site import flat_metrics, load_state, save_state, setup_site, train_task, validate_task
 from .controller import FATAL, SUMMARY, THREADS
 
 
@@ -133,8 +133,7 @@ def main(argv=None, here: Path | None = None):
                   f" train_loss={update.metrics.get('train_loss', float('nan')):.4f}")
                   + f" received model: {scores} ({time.time() - t0:.1f}s)", flush=True)
         elif flare.is_evaluate():
-            client.receive(model.params)
-            result = evaluate(client.net, setup.val_loader, setup.task, setup.classes, args.device)
+            result = validate_task(client, setup, model.params)
             flare.send(FLModel(metrics=flat_metrics(result) or {"val_cases": 0.0}, meta={"evaluation": result}))
         elif flare.is_submit_model():
             flare.send(FLModel(params=to_numpy(client.net.state_dict())))

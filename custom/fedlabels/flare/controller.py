@@ -203,7 +203,7 @@ class FedLabelsController(BaseFedAvg):
             self._log_round(record, key, time.time() - t0)
             self._save_state(engine, rnd + 1, cfg.method)
         final = self._cross_site_eval(model, key)
-        score, is_best = engine.score_final(final)
+        _, is_best = engine.score_final(final)
         if is_best or not os.path.isfile(os.path.join(self.get_run_dir(), "app_server", "best_FL_global_model.pt")):
             self._save_best(dict(model.params))
         try:
