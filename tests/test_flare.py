@@ -50,6 +50,13 @@ def test_run_watched_stops_a_run_that_lost_a_site(tmp_path):
     assert "starting" in (tmp_path / "lost.log").read_text()
 
 
+def test_run_watched_ignores_what_an_earlier_attempt_logged(tmp_path):
+    # simulate() retries into the same log: the earlier attempt's lost-site line must not stop the retry.
+    log = tmp_path / "retry.log"
+    log.write_text(f"first attempt\n{LOST_SITE}\n[fedlabels] a site was lost at start-up; retry 1 of 1\n")
+    assert run_watched([sys.executable, "-c", "import time; time.sleep(1.5)"], None, log, poll=0.2) == 0
+
+
 def test_run_watched_timeout_and_exit_code(tmp_path):
     with pytest.raises(RuntimeError, match="within 1 s"):
         run_watched([sys.executable, "-c", "import time; time.sleep(120)"], None, tmp_path / "slow.log", timeout=1, poll=0.2)

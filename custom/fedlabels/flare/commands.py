@@ -56,7 +56,10 @@ def run_watched(cmd, env, log: Path, timeout=None, poll=1.0) -> int:
     a lost site, ``RuntimeError`` when ``timeout`` seconds pass; otherwise
     returns the exit code.
     """
-    start, seen, marker = time.time(), 0, LOST_SITE.encode()
+    log = Path(log)
+    # Watch only what this run appends: a retry appends to the log of the attempt it replaces.
+    start, seen, marker = time.time(), (log.stat().st_size if log.exists() else 0), LOST_SITE.encode()
+    start_size = seen
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -66,7 +69,7 @@ def run_watched(cmd, env, log: Path, timeout=None, poll=1.0) -> int:
                 except subprocess.TimeoutExpired:
                     pass
                 with open(log, "rb") as f:  # what was added since the last look (and a marker's length before)
-                    f.seek(max(0, seen - len(marker)))
+                    f.seek(max(start_size, seen - len(marker)))
                     chunk = f.read()
                     seen = f.tell()
                 if marker in chunk:
