@@ -279,3 +279,57 @@ def test_fedbn_global_model_carries_learned_statistics_and_exports_what_is_repor
     scored = evaluate(scripted, test_loader(bundle, data), "multilabel", tuple(reported["per_class"]))
     for cls, m in reported["per_class"].items():
         assert scored["per_class"][cls]["auroc"] == pytest.approx(m["auroc"], abs=1e-6), cls
+
+
+@pytest.fixture(scope="module")
+def medmnist_data(tmp_path_factory):
+    """Two sites: site-1 labeled, site-2 unlabeled (the embedded medmnist default)."""
+    return generate("medmnist", tmp_path_factory.mktemp("mm") / "mm", seed=0, sites=2, cases=48, test_cases=16)
+
+
+@pytest.mark.parametrize("name, server, steps", [
+    ("isofed_medmnist", {}, [("unlabeled", ["site-2"]), ("labeled", ["site-1"])]),
+    ("mt_wfedavg_medmnist", {}, [("train", ["site-1", "site-2"])]),
+    ("rscfed_medmnist", {"subset_size": 2}, [("subsets", ["site-1", "site-2"])]),
+    ("wfedavg_medmnist", {}, [("train", ["site-1", "site-2"])]),
+])
+def test_semi_supervised_jobs_run_in_the_simulator(name, server, steps, tmp_path, medmnist_data):
+    spec = dataclasses.replace(JOBS[name], server={**JOBS[name].server, **server})
+    run_dir, log = run(spec, tmp_path, medmnist_data)
+    recs = rounds(run_dir)
+    assert [r["round"] for r in recs] == [0, 1]
+    for r in recs:
+        assert [(s["name"], s["sites"]) for s in r["steps"]] == steps and all(s["aggregated"] for s in r["steps"])
+        assert not r["dropped"] and not r["abstained"]
+        # the unlabeled site trains too (wfedavg: on its oracle labels, the upper bound)
+        assert r["sites"]["site-1"]["n"] > 0 and r["sites"]["site-2"]["n"] > 0
+    text = log.read_text()
+    if name == "wfedavg_medmnist":
+        assert "every site is labeled" in text  # the labeled-only special case, said once
+    else:
+        assert "labeled sites ['site-1'], unlabeled sites ['site-2']" in text
+    if name == "isofed_medmnist":
+        assert np.isfinite(recs[0]["sites"]["site-2"]["pretrain_loss"])
+        assert "pretrain_loss" not in recs[0]["sites"]["site-1"]
+        # the isolated order through FLARE is the in-process engine's: same global weights
+        setups = references.setups(REPO / "bundles" / spec.bundle, medmnist_data, batch_size=TINY["batch_size"],
+                                   seed=spec.seed, method=spec.method)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            out = references.federate(spec.method, setups, TINY["rounds"], seed=spec.seed, client_options=spec.client,
+                                      log=None)
+        finally:
+            torch.set_num_threads(threads)
+        flare_w = weights(run_dir)
+        for k, v in out["last"].items():
+            np.testing.assert_allclose(flare_w[k], v, rtol=0, atol=1e-6, err_msg=k)
+
+
+def test_semi_supervised_job_without_a_labeled_site_stops_before_round_0(tmp_path):
+    data = generate("medmnist", tmp_path / "nolab", seed=0, sites=2, cases=32, test_cases=8, labeled=[])
+    with pytest.raises(RuntimeError, match="did not finish"):
+        run(JOBS["isofed_medmnist"], tmp_path, data)
+    text = (tmp_path / "isofed_medmnist.log").read_text()
+    assert "method isofed: no site has a labeled training case" in text
+    assert "round 0 site-" not in text  # no round was trained

@@ -13,6 +13,10 @@ test data). Every table carries its floor: each labeled site trained alone
 ``references.local``; segmentation: the ``fedavg`` client on the site's
 pixel-labeled cases) for eval-round x E epochs.
 
+A row ``oracle:METHOD`` runs METHOD with every site's full labels (the
+scenario's ``oracle.json``): the upper bound of a label-scarce split, on the
+same split (e.g. ``oracle:wfedavg``, IsoFed's "wFedAvg (UB)").
+
 Every method gets the same client options unless ``--opt`` says otherwise:
 lr 1e-3 (``DEFAULT_LR``; the bundles set none for federated training) and
 E local epochs, so rows differ only in the method. ``--opt`` names are routed
@@ -49,6 +53,7 @@ from pathlib import Path
 
 EMBEDDED = "embedded:"
 FLOOR = "local"          # floor rows are named local:<site>
+ORACLE = "oracle:"       # a row oracle:METHOD trains METHOD on every site's full labels
 ALL = "all"              # --opt all:key=value applies to every method and the floor
 DEFAULT_LR = 1e-3        # the one client lr default of every row
 ENGINES = ("inprocess", "flare")
@@ -57,7 +62,7 @@ POOLED, MEAN = "pooled", "mean"
 # Test metrics per task: (metric, has a per-class value).
 TEST_METRICS = {
     "multilabel": (("auroc", True), ("ap", True), ("bacc", True)),
-    "multiclass": (("accuracy", False), ("auroc", True)),
+    "multiclass": (("accuracy", False), ("auroc", True), ("precision", True), ("recall", True)),
     "segmentation": (("dice", True),),
 }
 # The metric of the per-class plot.
@@ -100,11 +105,18 @@ def _key_values(items, what: str) -> dict:
     return out
 
 
+def base_method(row: str) -> str:
+    """The registered method of a row (``oracle:wfedavg`` -> ``wfedavg``)."""
+    return row[len(ORACLE):] if row.startswith(ORACLE) else row
+
+
 def parse_opts(items) -> list:
-    """``METHOD:key=value`` -> [(METHOD, key, value)] in order."""
+    """``METHOD:key=value`` -> [(METHOD, key, value)] in order (METHOD may be ``oracle:NAME``)."""
     out = []
     for item in items or []:
-        target, colon, rest = item.partition(":")
+        prefix = ORACLE if item.startswith(ORACLE) else ""
+        target, colon, rest = item[len(prefix):].partition(":")
+        target = prefix + target
         key, eq, value = rest.partition("=")
         if not colon or not target.strip() or not eq or not key.strip():
             raise ValueError(f"--opt {item!r}: expected METHOD:key=value (METHOD a method of --methods, "
@@ -166,7 +178,7 @@ def make_plan(args) -> Plan:
     names = list(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
     if not names:
         raise ValueError("--methods: name at least one method")
-    registered = {n: methods.get(n) for n in names}  # unknown -> ValueError naming the registered ones
+    registered = {n: methods.get(base_method(n)) for n in names}  # unknown -> ValueError naming the registered ones
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if args.local_epochs is not None and args.local_epochs < 1:
@@ -268,7 +280,7 @@ def prepare_data(plan: Plan) -> None:
     if task != first.task:
         raise ValueError(f"bundle {plan.bundle.name}: task {task!r} does not match the scenario's task {first.task!r}")
     for name in plan.methods:
-        m = methods.get(name)
+        m = methods.get(base_method(name))
         if first.task not in m.tasks:
             raise ValueError(f"method {name!r} handles {list(m.tasks)}, not the scenario's task {first.task!r}")
     if plan.engine == "flare":
@@ -411,7 +423,9 @@ def run_federated_inprocess(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict
 
     data, opts = plan.datasets[cell.seed], plan.options[cell.method]
     key = KEY_METRICS[plan.scenarios[cell.seed].task]
-    setups = references.setups(plan.bundle, data, batch_size=plan.batch_size, seed=cell.seed, method=cell.method)
+    method = base_method(cell.method)
+    setups = references.setups(plan.bundle, data, batch_size=plan.batch_size, seed=cell.seed, method=method,
+                               oracle=cell.method.startswith(ORACLE))
     captured = {}
 
     def on_round(record, weights, best):
@@ -419,7 +433,7 @@ def run_federated_inprocess(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict
         if r in plan.eval_rounds:
             captured[r] = {"last": _copy(weights), "best": _copy(best)}
 
-    result = references.federate(cell.method, setups, plan.rounds, seed=cell.seed, log=log,
+    result = references.federate(method, setups, plan.rounds, seed=cell.seed, log=log,
                                  client_options=opts["client"], server_options=opts["server"], on_round=on_round)
     # The final model is a best-model candidate too (validated at every site after the last round).
     captured[plan.rounds]["best"] = result["best"]
@@ -438,7 +452,8 @@ def run_federated_flare(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict:
     from .flare.job import JobSpec, export
 
     data, opts, sc = plan.datasets[cell.seed], plan.options[cell.method], plan.scenarios[cell.seed]
-    spec = JobSpec(name=f"bench_{cell.method}_seed{cell.seed}", method=cell.method, bundle=str(plan.bundle),
+    spec = JobSpec(name=f"bench_{cell_name(cell.method, cell.seed)}", method=base_method(cell.method),
+                   oracle=cell.method.startswith(ORACLE), bundle=str(plan.bundle),
                    family=plan.family or "cxr", rounds=plan.rounds, sites=len(sc.sites), client=dict(opts["client"]),
                    server=dict(opts["server"]), seed=cell.seed, batch_size=plan.batch_size)
     work = plan.out / "flare" / cell_name(cell.method, cell.seed)

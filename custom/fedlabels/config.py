@@ -37,7 +37,7 @@ class RunConfig:
     client: dict = field(default_factory=dict)   # the client rule's named options
     server: dict = field(default_factory=dict)   # the server rule's named options
     network: dict = field(default_factory=dict)  # the bundle's network_def overrides
-    data: dict = field(default_factory=dict)     # family, synth (embedded-data options), batch_size
+    data: dict = field(default_factory=dict)     # family, synth (embedded-data options), batch_size, oracle
     seed: int = 0
     key_metric: str | None = None                # None: the task's default (KEY_METRICS)
     min_sites: int = 1

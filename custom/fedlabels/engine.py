@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .methods.base import START_PREVIOUS, Update
+from .methods.base import DRAW, START_PREVIOUS, Update
 
 
 class NoProgress(RuntimeError):
@@ -92,7 +92,8 @@ class RoundEngine:
         for step in self.server.plan(rnd, list(sites)):
             origin = previous if step.start == START_PREVIOUS else start
             if step.groups:
-                results = [self._train(step, list(g), origin, rnd, record, scores) for g in step.groups]
+                results = [self._train(step, list(g), origin, rnd, record, scores, draw)
+                           for draw, g in enumerate(step.groups)]
                 results = [r for r in results if r is not None]
                 new = self.server.combine(results, origin, rnd, step) if results else None
             else:
@@ -110,15 +111,21 @@ class RoundEngine:
             self.best = score
         return previous, record, is_best
 
-    def _train(self, step, targets, weights, rnd, record, scores):
+    def _train(self, step, targets, weights, rnd, record, scores, draw=None):
         """Send one group, screen, aggregate; None when nothing was aggregated."""
         extras = self.server.extras(rnd, step)
+        if draw is not None:  # a site may train in several groups of a step: each is its own draw
+            extras = {**extras, DRAW: draw}
         updates = self.send(step, targets, weights, rnd, extras)
         usable = []
         for u in updates:
             if self.key_metric in u.metrics:
                 scores[u.site] = float(u.metrics[self.key_metric])
             record["sites"].setdefault(u.site, {}).update({"n": u.n, **u.metrics})
+            if u.abstain and u.reason:
+                record["dropped"][u.site] = u.reason
+                self.log("warning", f"round {rnd} {u.site}: stopped its round: {u.reason}")
+                continue
             if u.abstain:
                 record["abstained"].append(u.site)
                 self.log("info", f"round {rnd} {u.site}: abstains from step {step.name}")

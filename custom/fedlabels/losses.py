@@ -54,6 +54,41 @@ def naive_bce(logits: torch.Tensor, target: torch.Tensor, pos_weight: torch.Tens
     return F.binary_cross_entropy_with_logits(logits, target.clamp(min=0).to(logits.dtype), pos_weight=pos_weight)
 
 
+def masked_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Multi-class cross-entropy over labeled cases (target >= 0), averaged over them.
+
+    A batch of only unlabeled cases (-1) gives 0 connected to the graph, where
+    the mean reduction would give NaN.
+    """
+    target = target.long().view(-1)
+    return F.cross_entropy(logits, target, ignore_index=-1, reduction="sum") / (target >= 0).sum().clamp(min=1)
+
+
+def sharpen(probs: torch.Tensor, temperature: float) -> torch.Tensor:
+    """p_i^(1/T) / sum_j p_j^(1/T) along dim 1 (T < 1 sharpens, T = 1 is the identity)."""
+    p = probs.clamp(min=1e-12) ** (1.0 / temperature)
+    return p / p.sum(1, keepdim=True)
+
+
+def consistency_mse(target_probs: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """||target - p||_2^2 per case (summed over classes), averaged over the batch."""
+    return ((target_probs - probs) ** 2).sum(1).mean()
+
+
+def information_maximization(logits: torch.Tensor) -> torch.Tensor:
+    """IsoFed's Eq. 4: mean per-case entropy minus the entropy of the mean prediction.
+
+    Minimal (-log C) for confident predictions spread evenly over the C
+    classes; entropy minimisation alone would collapse every case to one class.
+    """
+    p = torch.softmax(logits, 1)
+    logp = torch.log_softmax(logits, 1)
+    mean_entropy = -(p * logp).sum(1).mean()
+    p_bar = p.mean(0)
+    entropy_of_mean = -(p_bar * torch.log(p_bar.clamp(min=1e-12))).sum()
+    return mean_entropy - entropy_of_mean
+
+
 def soft_dice_loss(logits: torch.Tensor, target: torch.Tensor, smooth: float = 1e-5) -> torch.Tensor:
     """1 - soft Dice of sigmoid(logits) against a {0,1} target, per case then averaged.
 

@@ -47,9 +47,11 @@ def federate(method: str, site_setups: dict, rounds: int, seed=0, log=print, cli
     m = methods.get(method)
     first = next(iter(site_setups.values()))
     key_metric = key_metric or KEY_METRICS[first.task]
-    server = m.make_server(**(server_options or {}))
+    server = m.make_server(run_seed=seed, **(server_options or {}))
     clients = {s: m.make_client(st.net, st.context(), **(client_options or {})) for s, st in site_setups.items()}
-    server.setup({s: st.site.summary() for s, st in site_setups.items()})
+    for line in server.setup({s: st.summary() for s, st in site_setups.items()}) or []:
+        if log:
+            log(f"[{method}] {line}")
 
     def send(step, targets, weights, rnd, extras):
         return [train_task(clients[s], site_setups[s], weights, rnd, extras) for s in targets]

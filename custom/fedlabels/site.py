@@ -13,14 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import contextlib
+import dataclasses
+
 import torch
-from monai.data import CacheDataset, DataLoader
+from monai.data import CacheDataset, DataLoader, get_track_meta, set_track_meta
 
 from .bundle import data as bundle_data
 from .bundle import network, read
 from .methods.base import SiteContext, Update, site_seed
 from .metrics import multiclass_metrics, multilabel_metrics, segmentation_metrics
-from .profile import Scenario, SiteData, load_scenario, write_atomic
+from .profile import Scenario, SiteData, label_summary, load_scenario, write_atomic
 
 
 @dataclass
@@ -34,10 +37,49 @@ class SiteSetup:
     task: str
     seed: int = 0
     device: str = "cpu"
+    oracle: bool = False  # the site trains on its full labels (oracle.json): an upper-bound run
+
+    @property
+    def profile(self):
+        """What the site labels in this run (oracle: every class, fully supervised)."""
+        if not self.oracle:
+            return self.site.profile
+        return dataclasses.replace(self.site.profile, annotated=tuple(self.classes),
+                                   supervision="pixel" if self.task == "segmentation" else "image")
+
+    def items(self) -> list:
+        return self.site.oracle()["training"] if self.oracle else list(self.site.training)
+
+    def summary(self) -> dict:
+        """The label summary of what the site trains on (what it tells the server)."""
+        return label_summary(self.profile, self.items()) if self.oracle else self.site.summary()
 
     def context(self) -> SiteContext:
-        return SiteContext(self.site.profile, self.train_loader, self.site.summary(), self.val_loader, self.seed,
-                           self.device, list(self.site.training))
+        return SiteContext(self.profile, self.train_loader, self.summary(), self.val_loader, self.seed,
+                           self.device, self.items())
+
+
+@contextlib.contextmanager
+def plain_tensors():
+    """MONAI transforms on plain tensors, not MetaTensors. The cached cases carry
+    no metadata (the bundles' deterministic transforms end with
+    ``EnsureTyped(track_meta=False)``), and on 28-64 px images MONAI's
+    per-call metadata bookkeeping costs more than the random transforms
+    themselves (measured: a BloodMNIST IsoFed round 12.8 s -> 6.8 s)."""
+    before = get_track_meta()
+    set_track_meta(False)
+    try:
+        yield
+    finally:
+        set_track_meta(before)
+
+
+class CachedCases(CacheDataset):
+    """The bundle's deterministic transforms cached once; its random ones per draw, on plain tensors."""
+
+    def _transform(self, index):
+        with plain_tensors():
+            return super()._transform(index)
 
 
 class TwoViews(torch.utils.data.Dataset):
@@ -48,13 +90,17 @@ class TwoViews(torch.utils.data.Dataset):
 
     def __init__(self, weak, strong):
         self.weak, self.strong = weak, strong
+        self.strong_on = True  # a rule that needs no strong view (a labeled site, a pretraining pass) turns it off
 
     def __len__(self):
         return len(self.weak)
 
     def __getitem__(self, i):
         out = dict(self.weak[i])
-        out["image_strong"] = self.strong({"image": out["image"].clone()})["image"]
+        if not self.strong_on:
+            return out
+        with plain_tensors():
+            out["image_strong"] = self.strong({"image": out["image"].clone()})["image"]
         return out
 
     def set_random_state(self, seed):
@@ -63,7 +109,7 @@ class TwoViews(torch.utils.data.Dataset):
 
 
 def _loader(items, transform, batch_size, shuffle, seed, strong=None):
-    ds = CacheDataset(items, transform, cache_rate=1.0, num_workers=None, progress=False)
+    ds = CachedCases(items, transform, cache_rate=1.0, num_workers=None, progress=False)
     if strong is not None:
         ds = TwoViews(ds, strong)
     gen = torch.Generator().manual_seed(seed)
@@ -112,7 +158,8 @@ def setup_site(bundle, dataset_dir, site_name: str, *, batch_size=None, seed=0, 
                            strong)
     val_items = _items(site, "validation", oracle, labeled_only=True)
     val_loader = _loader(val_items, val_tf, bs, False, seed) if val_items else None
-    return SiteSetup(scenario, site, net, train_loader, val_loader, scenario.classes, scenario.task, seed, device)
+    return SiteSetup(scenario, site, net, train_loader, val_loader, scenario.classes, scenario.task, seed, device,
+                     oracle)
 
 
 def test_loader(bundle, dataset_dir, batch_size=64) -> DataLoader:
@@ -160,7 +207,7 @@ def flat_metrics(metrics: dict, prefix="val_") -> dict:
         if metrics.get(key) is not None:
             out[f"{prefix}{key}"] = float(metrics[key])
     for cls, vals in metrics.get("per_class", {}).items():
-        for key in ("auroc", "ap", "bacc", "dice"):
+        for key in ("auroc", "ap", "bacc", "precision", "recall", "dice"):
             if vals.get(key) is not None:
                 out[f"{prefix}{key}/{cls}"] = float(vals[key])
     return out

@@ -29,7 +29,7 @@ from nvflare.app_common.abstract.fl_model import FLModel
 from .. import methods
 from ..bundle import bundle_path
 from ..config import FILE, RunConfig
-from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, RESUME, to_numpy
+from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, REASON, RESUME, to_numpy
 from ..profile import ScenarioError
 from ..site import flat_metrics, load_state, save_state, setup_site, train_task, validate_task
 from .controller import FATAL, SUMMARY, THREADS
@@ -81,7 +81,7 @@ def prepare(cfg: RunConfig, args, site: str, here: Path | None):
     method = methods.get(cfg.method)
     setup = setup_site(bundle_path(cfg.bundle, here), data_root(args, cfg), site, batch_size=cfg.data.get("batch_size"),
                        seed=cfg.seed, device=args.device, network_overrides=cfg.network, unlabeled=method.uses_unlabeled,
-                       strong_view=method.strong_view)
+                       strong_view=method.strong_view, oracle=bool(cfg.data.get("oracle")))
     if setup.task not in method.tasks:
         raise ValueError(f"method {method.name!r} handles {method.tasks}, not the scenario's task {setup.task!r}")
     return setup, method.make_client(setup.net, setup.context(), **cfg.client)
@@ -96,7 +96,7 @@ def main(argv=None, here: Path | None = None):
     try:
         cfg = RunConfig.load(Path(args.config) if here is None else here / args.config)
         setup, client = prepare(cfg, args, site, here)
-        print(f"[{site}] {cfg.method} on {setup.scenario.name}: {setup.site.summary()['cases']} training cases, "
+        print(f"[{site}] {cfg.method} on {setup.scenario.name}: {setup.summary()['cases']} training cases, "
               f"annotates {list(setup.site.profile.annotated) or 'nothing'}; client options {cfg.client}", flush=True)
     except (ScenarioError, ValueError, FileNotFoundError) as e:
         fatal = str(e)
@@ -116,7 +116,7 @@ def main(argv=None, here: Path | None = None):
             if meta.get(THREADS) and "OMP_NUM_THREADS" not in os.environ:
                 torch.set_num_threads(int(meta[THREADS]))
             print(f"[{site}] torch threads: {torch.get_num_threads()}", flush=True)
-            flare.send(FLModel(params={}, meta={SUMMARY: setup.site.summary()}))
+            flare.send(FLModel(params={}, meta={SUMMARY: setup.summary()}))
         elif flare.is_train():
             rnd = model.current_round
             if site in (meta.get(RESUME) or []):
@@ -124,12 +124,13 @@ def main(argv=None, here: Path | None = None):
                 print(f"[{site}] resumed its state from {state_path}", flush=True)
             update = train_task(client, setup, model.params, rnd, meta.get(EXTRAS) or {})
             save_state(state_path, client, rnd)
-            out = {**update.meta, N: update.n, ABSTAIN: update.abstain, EXTRAS: update.extras,
+            out = {**update.meta, N: update.n, ABSTAIN: update.abstain, REASON: update.reason, EXTRAS: update.extras,
                    "NUM_STEPS_CURRENT_ROUND": update.n}
             weights, out = inject_fault(cfg.faults, site, rnd, update.weights, out)
             flare.send(FLModel(params=weights, metrics=update.metrics, meta=out))
             scores = {k: v for k, v in update.metrics.items() if k.startswith("val_") and "/" not in k}
-            print(f"[{site}] round {rnd}: n={update.n}" + (" abstained" if update.abstain else
+            print(f"[{site}] round {rnd}: n={update.n}" + (f" stopped: {update.reason}" if update.reason else
+                  " abstained" if update.abstain else
                   f" train_loss={update.metrics.get('train_loss', float('nan')):.4f}")
                   + f" received model: {scores} ({time.time() - t0:.1f}s)", flush=True)
         elif flare.is_evaluate():

@@ -35,7 +35,7 @@ from nvflare.app_common.workflows.base_fedavg import BaseFedAvg
 from .. import methods
 from ..config import FILE, RunConfig
 from ..engine import NoProgress, RoundEngine
-from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, RESUME, Update
+from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, REASON, RESUME, Update
 from ..profile import write_atomic, write_json_atomic
 
 FATAL = "fatal_error"
@@ -124,7 +124,8 @@ class FedLabelsController(BaseFedAvg):
             meta = dict(r.meta or {})
             n = meta.get(N)
             updates.append(Update(meta.get("client_name", "?"), r.params or {}, None if n is None else int(n), meta,
-                                  dict(r.metrics or {}), meta.pop(EXTRAS, None) or {}, bool(meta.get(ABSTAIN))))
+                                  dict(r.metrics or {}), meta.pop(EXTRAS, None) or {}, bool(meta.get(ABSTAIN)),
+                                  str(meta.get(REASON) or "")))
         return updates
 
     def _aggregate(self, updates, fn):
@@ -166,7 +167,7 @@ class FedLabelsController(BaseFedAvg):
 
     def _run(self) -> None:
         cfg = self._config()
-        server = methods.get(cfg.method).make_server(**cfg.server)
+        server = methods.get(cfg.method).make_server(run_seed=cfg.seed, **cfg.server)
         model = self.load_model()
         if model is None:
             return
@@ -176,7 +177,13 @@ class FedLabelsController(BaseFedAvg):
             return
         task = next(iter(summaries.values()))["task"]
         key = cfg.metric(task)
-        server.setup(summaries)
+        try:
+            notes = server.setup(summaries) or []
+        except ValueError as e:  # the method cannot run on these sites (e.g. no labeled site)
+            self.panic(f"method {cfg.method}: {e}")
+            return
+        for line in notes:
+            self.info(f"method {cfg.method}: {line}")
         engine = RoundEngine(server, self._send, key_metric=key, min_sites=cfg.min_sites, aggregate=self._aggregate,
                              log=self._log)
         start = self.start_round

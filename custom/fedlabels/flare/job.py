@@ -46,6 +46,7 @@ class JobSpec:
     network: dict = field(default_factory=dict)  # network_def overrides (e.g. hidden)
     seed: int = 0
     batch_size: int | None = None
+    oracle: bool = False  # sites train on their full labels (oracle.json): an upper-bound run
     key_metric: str | None = None  # None: the task's default (fedlabels.config.KEY_METRICS)
     min_sites: int = 1
     resume_from: str = ""
@@ -55,7 +56,8 @@ class JobSpec:
     def config(self) -> RunConfig:
         return RunConfig(method=self.method, bundle=Path(self.bundle).name, client=dict(self.client),
                          server=dict(self.server), network=dict(self.network),
-                         data={"family": self.family, "synth": dict(self.synth), "batch_size": self.batch_size},
+                         data={"family": self.family, "synth": dict(self.synth), "batch_size": self.batch_size,
+                               **({"oracle": True} if self.oracle else {})},
                          seed=self.seed, key_metric=self.key_metric, min_sites=self.min_sites, faults=list(self.faults))
 
 
@@ -77,7 +79,19 @@ OTHER_TASK_JOBS = [
     JobSpec("fedavg_medmnist", "fedavg", bundle="medmnist_cnn", family="medmnist", client={"lr": 1e-3, "epochs": 1}),
     JobSpec("fedavg_lesion", "fedavg", bundle="lesion_unet", family="lesion", client={"lr": 1e-3, "epochs": 1}),
 ]
-JOBS = {spec.name: spec for spec in CXR_JOBS + OTHER_TASK_JOBS}
+# Semi-supervised (IsoFed and its baselines) on the paper's CNN: the embedded medmnist
+# scenario (site-1 labeled, the others unlabeled) or a prepared `isofed` scenario via
+# FEDLABELS_DATA. wfedavg_medmnist is the upper bound: every site's full labels.
+MEDMNIST_TRAINING = {"lr": 1e-3, "epochs": 1}
+SEMISUP_JOBS = [
+    JobSpec("isofed_medmnist", "isofed", bundle="medmnist_cnn", family="medmnist", client=dict(MEDMNIST_TRAINING)),
+    JobSpec("mt_wfedavg_medmnist", "mt_wfedavg", bundle="medmnist_cnn", family="medmnist",
+            client=dict(MEDMNIST_TRAINING)),
+    JobSpec("rscfed_medmnist", "rscfed", bundle="medmnist_cnn", family="medmnist", client=dict(MEDMNIST_TRAINING)),
+    JobSpec("wfedavg_medmnist", "wfedavg", bundle="medmnist_cnn", family="medmnist", client=dict(MEDMNIST_TRAINING),
+            oracle=True),
+]
+JOBS = {spec.name: spec for spec in CXR_JOBS + OTHER_TASK_JOBS + SEMISUP_JOBS}
 
 
 def build_job(spec: JobSpec, workdir) -> FedJob:

@@ -66,7 +66,10 @@ class Method:
     def make_client(self, net, ctx: SiteContext, **options) -> ClientRule:
         return self.client(net, ctx, **self.client_options(**options))
 
-    def make_server(self, **options) -> ServerRule:
+    def make_server(self, run_seed: int | None = None, **options) -> ServerRule:
+        """The server rule; a rule with a ``seed`` option (random draws) gets the run's seed unless set."""
+        if run_seed is not None and "seed" in self.server_option_names() and "seed" not in options:
+            options["seed"] = run_seed
         return self.server(**self.server_options(**options))
 
 

@@ -93,3 +93,32 @@ def classwise_head_mean(updates: list, global_weights: dict, head_name: str, cla
         new[have] = num[have] / total[have].reshape((-1,) + (1,) * (rows.ndim - 2))
         out[key] = new.astype(old.dtype)
     return out
+
+
+def model_distance(a: dict, b: dict) -> float:
+    """||a - b||_2 over every floating-point key, as one flattened vector."""
+    sq = 0.0
+    for key, value in a.items():
+        x = np.asarray(value)
+        if x.dtype.kind == "f":
+            sq += float(((x.astype(np.float64) - np.asarray(b[key], dtype=np.float64)) ** 2).sum())
+    return float(np.sqrt(sq))
+
+
+def distance_weights(updates: list, global_weights: dict, scale: float, multipliers=None) -> np.ndarray:
+    """Dynamically weighted FedAvg's coefficients (IsoFed Eq. 2-3, RSCFed's rule).
+
+    W_avg = sum_k m_k n_k W_k / sum_k m_k n_k; c_k = m_k n_k exp(-scale ||W_k - W_avg||_2 / n_k),
+    normalised to sum 1. ``multipliers`` m_k (default 1) amplify some sites
+    (RSCFed's labeled-site multiplier). An update far from the mean gets an
+    exponentially small weight; scale 0 is plain FedAvg by n_k.
+    """
+    n = np.asarray([u.n for u in updates], dtype=np.float64)
+    m = np.ones_like(n) if multipliers is None else np.asarray(multipliers, dtype=np.float64)
+    avg = average_keys(updates, global_weights, m * n)
+    d = np.asarray([model_distance({k: u.weights[k] for k in avg if k in u.weights},
+                                   {k: avg[k] for k in avg if k in u.weights}) for u in updates])
+    # exp of (exponent - its max): the same ratios without underflow to 0/0.
+    z = -scale * d / n
+    c = m * n * np.exp(z - z.max())
+    return c / c.sum()

@@ -51,6 +51,8 @@ SITE = "site"
 EXTRAS = "extras"              # the server rule's extras for this step
 PHASE = "phase"                # "train" (default) or "summary" (the set-up handshake)
 RESUME = "resume"              # True on the first round of a resumed run: sites load their saved state
+REASON = "reason"              # why a site stopped its round (sent with ABSTAIN; the engine drops it, logged)
+DRAW = "draw"                  # extras: the group's index within a step with parallel groups (RSCFed)
 
 START_GLOBAL, START_PREVIOUS = "global", "previous"
 
@@ -95,6 +97,12 @@ class Update:
     metrics: dict = field(default_factory=dict)
     extras: dict = field(default_factory=dict)
     abstain: bool = False
+    reason: str = ""  # with abstain: the site stopped its round for this reason (a fault, not a choice)
+
+
+class StopRound(RuntimeError):
+    """Raised inside local training to stop this site's round (e.g. a non-finite
+    model output): the site sends no weights, only the reason."""
 
 
 @dataclass
@@ -119,11 +127,12 @@ class SiteContext:
     device: str = "cpu"
     items: list = field(default_factory=list)
 
-    def reseed(self, round: int) -> None:
-        """Seed everything random in a round from (site seed, round): shuffling,
+    def reseed(self, round: int, draw: int = 0) -> None:
+        """Seed everything random in a round from (site seed, round, draw): shuffling,
         augmentation, dropout. A resumed run therefore draws what an
-        uninterrupted one would, with no random state to save."""
-        s = (self.seed * 1_000_003 + round) % (2**31)
+        uninterrupted one would, with no random state to save. ``draw`` tells
+        apart a site's several trainings in one round (RSCFed's subsets)."""
+        s = (self.seed * 1_000_003 + round + 7_919 * draw) % (2**31)
         torch.manual_seed(s)
         gen = getattr(self.train, "generator", None)
         if gen is not None:
@@ -251,19 +260,22 @@ class ClientRule:
         self.receive(global_weights)
         if self.abstains(round, extras):
             return Update(self.profile.site, {}, 0, dict(self.ctx.summary), {}, abstain=True)
-        self.ctx.reseed(round)
+        self.ctx.reseed(round, int(extras.get(DRAW, 0)))
         self.set_train_mode()
-        self.begin_round(round, extras)
-        if self.optimizer is None or self.reset_optimizer:
-            self.optimizer = self.make_optimizer(self.net.parameters())
-        losses, n = [], 0
-        for _ in range(self.epochs):
-            for batch in self.ctx.train:
-                loss = self.train_step(batch)
-                if loss is None:  # the rule skipped this batch (e.g. too small to split)
-                    continue
-                losses.append(loss)
-                n += len(batch["image"])
+        try:
+            self.begin_round(round, extras)
+            if self.optimizer is None or self.reset_optimizer:
+                self.optimizer = self.make_optimizer(self.net.parameters())
+            losses, n = [], 0
+            for _ in range(self.epochs):
+                for batch in self.ctx.train:
+                    loss = self.train_step(batch)
+                    if loss is None:  # the rule skipped this batch (e.g. too small to split)
+                        continue
+                    losses.append(loss)
+                    n += len(batch["image"])
+        except StopRound as e:
+            return Update(self.profile.site, {}, 0, dict(self.ctx.summary), {}, abstain=True, reason=str(e))
         return self.make_update(n, {"train_loss": float(np.mean(losses)) if losses else float("nan")})
 
     def make_update(self, n, metrics) -> Update:
@@ -280,9 +292,13 @@ class ServerRule:
     ``state_dict`` / ``load_state_dict`` (no state).
     """
 
-    def setup(self, summaries: dict) -> None:
-        """Every site's label summary (``profile.label_summary``), keyed by site, before round 0."""
+    def setup(self, summaries: dict) -> list:
+        """Every site's label summary (``profile.label_summary``), keyed by site, before round 0.
+
+        Raises ValueError when the method cannot run on these sites; returns
+        lines worth telling the user once (may be empty)."""
         self.summaries = dict(summaries)
+        return []
 
     def plan(self, round: int, sites: list) -> list:
         return [Step(tuple(sites))]

@@ -12,10 +12,9 @@ every multi-label row trains with the same ``pos_weighted`` loss default
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from monai.losses import DiceLoss
 
-from ..losses import naive_bce, partial_bce
+from ..losses import masked_cross_entropy, naive_bce, partial_bce
 from .aggregate import average_keys
 from .base import ClientRule, ServerRule
 
@@ -38,10 +37,7 @@ class FedAvgClient(ClientRule):
         elif task == "segmentation":
             loss = self.dice(logits, labels)
         elif task == "multiclass":
-            # Sum over labeled cases / their count: a batch of only unlabeled
-            # cases (-1) gives 0, where the mean reduction would give NaN.
-            target = labels.long().view(-1)
-            loss = F.cross_entropy(logits, target, ignore_index=-1, reduction="sum") / (target >= 0).sum().clamp(min=1)
+            loss = masked_cross_entropy(logits, labels)
         else:
             raise ValueError(f"FedAvg client has no loss for task {task!r}")
         if self.mu > 0:
