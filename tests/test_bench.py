@@ -201,6 +201,31 @@ def test_options_are_routed_by_name_and_parsed_as_json():
     assert plan.data_for(0) == plan.data_for(1)
 
 
+def test_oracle_rows_train_every_site_on_its_full_labels(tmp_path):
+    """``oracle:METHOD``: the same split with every site's labels; options reach it by its row name."""
+    argv = ["bench", "--data", "embedded:medmnist", "--synth", "cases=64", "--synth", "test_cases=16", "--bundle",
+            "medmnist_cnn", "--methods", "wfedavg,oracle:wfedavg", "--seeds", "0", "--rounds", "1",
+            "--opt", "oracle:wfedavg:lambda_c=0", "--out", tmp_path / "b"]
+    plan = bench.make_plan(cli.build_parser(flare=False).parse_args([str(a) for a in argv]))
+    assert plan.options["oracle:wfedavg"]["server"] == {"lambda_c": 0}
+    assert plan.options["wfedavg"]["server"] == {}
+    code, _, err = _main(argv)
+    assert code == 0, err
+    import json
+
+    cells = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "b" / "cells").glob("*.json")}
+    plain, oracle = cells["wfedavg-seed0"]["records"][0], cells["oracle_wfedavg-seed0"]["records"][0]
+    # embedded medmnist: only site-1 is labeled; the others abstain, except on their oracle labels
+    assert sorted(plain["abstained"]) == ["site-2", "site-3", "site-4"]
+    assert not oracle["abstained"] and all(oracle["sites"][s]["n"] > 0 for s in SITES)
+    md = (tmp_path / "b" / "results.md").read_text()
+    for metric in ("accuracy", "auroc", "precision", "recall"):
+        assert f"## {metric} -- pooled test split" in md
+    bad = argv[:-2] + ["--opt", "oracle:nosuch:lr=1", "--out", tmp_path / "c"]
+    code, _, err = _main(bad)
+    assert code == 2 and "'oracle:nosuch' is not one of --methods" in err
+
+
 @pytest.mark.simulator
 def test_flare_engine_matches_the_inprocess_engine(tmp_path):
     """2 sites x 2 rounds in the FLARE simulator; the last global model scores as the in-process engine's."""
