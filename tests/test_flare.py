@@ -293,7 +293,7 @@ def medmnist_data(tmp_path_factory):
     ("rscfed_medmnist", {"subset_size": 2}, [("subsets", ["site-1", "site-2"])]),
     ("wfedavg_medmnist", {}, [("train", ["site-1", "site-2"])]),
 ])
-def test_semi_supervised_jobs_run_in_the_simulator(name, server, steps, tmp_path, medmnist_data):
+def test_semi_supervised_jobs_run_in_the_simulator(name, server, steps, tmp_path, medmnist_data, capsys):
     spec = dataclasses.replace(JOBS[name], server={**JOBS[name].server, **server})
     run_dir, log = run(spec, tmp_path, medmnist_data)
     recs = rounds(run_dir)
@@ -324,6 +324,13 @@ def test_semi_supervised_jobs_run_in_the_simulator(name, server, steps, tmp_path
         flare_w = weights(run_dir)
         for k, v in out["last"].items():
             np.testing.assert_allclose(flare_w[k], v, rtol=0, atol=1e-6, err_msg=k)
+        # fedlabels report: the multi-class metrics per class
+        from fedlabels import cli
+
+        capsys.readouterr()
+        assert cli.main(["report", f"isofed={run_dir}", "--bundle", "medmnist_cnn", "--data", str(medmnist_data)]) in (0, None)
+        text = capsys.readouterr().out
+        assert all(f"### {m}" in text for m in ("auroc", "precision", "recall")) and "accuracy: isofed " in text
 
 
 def test_semi_supervised_job_without_a_labeled_site_stops_before_round_0(tmp_path):

@@ -204,7 +204,8 @@ def cmd_simulate(args):
     print(f"done in {time.time() - t0:.0f}s; outputs in {run_dir}")
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        print(f"round {rec['round']}: mean val_auroc of received model = {rec.get('mean_val_auroc')}")
+        key = next((k for k in rec if k.startswith("mean_val_")), "mean_val_auroc")
+        print(f"round {rec['round']}: {key} of the received model = {rec.get(key)}")
 
 
 def cmd_report(args):
@@ -216,7 +217,14 @@ def cmd_report(args):
         name, _, path = run.partition("=")
         run_dir = Path(path or name)
         results[name if path else run_dir.name] = evaluate_global(run_dir, bundle_path(args.bundle), data, args.which)
-    table = comparison_table(results, label_counts(data))
+    task = load_scenario(data, check_files=False, with_test=False).task
+    counts = label_counts(data)
+    if task == "multiclass":  # per class AUROC, precision, recall; overall accuracy
+        parts = [f"### {m}\n\n" + comparison_table(results, counts, m) for m in ("auroc", "precision", "recall")]
+        parts.append("accuracy: " + ", ".join(f"{m} {r['accuracy']:.3f}" for m, r in results.items()))
+        table = "\n\n".join(parts)
+    else:
+        table = comparison_table(results, counts, "dice" if task == "segmentation" else "auroc")
     print(table)
     if args.out:
         Path(args.out).write_text(table + "\n")
