@@ -113,6 +113,16 @@ def test_isofed_with_every_site_labeled_is_one_labeled_step():
     assert [(s.name, s.sites, s.start) for s in steps] == [("labeled", ("L1", "L2"), "global")]
 
 
+@pytest.mark.parametrize("server", [WeightedFedAvgServer(warmup_rounds=2), IsoFedServer(warmup_rounds=2),
+                                    RSCFedServer(subset_size=2, warmup_rounds=2)])
+def test_warmup_rounds_train_the_labeled_sites_only(server):
+    server.setup(summaries(labeled=["L1"], unlabeled=["U1", "U2"]))
+    for rnd in (0, 1):
+        assert [(s.name, s.sites) for s in server.plan(rnd, ["L1", "U1", "U2"])] == [("warmup", ("L1",))]
+    assert "U1" in {x for s in server.plan(2, ["L1", "U1", "U2"]) for x in s.sites}
+    assert WeightedFedAvgServer().plan(0, ["L1", "U1"])[0].sites == ("L1", "U1")  # default: the papers, none
+
+
 # ---------------------------------------------------------------- RSCFed
 
 

@@ -155,18 +155,35 @@ def _check(logits, what):
 
 
 class WeightedFedAvgServer(ServerRule):
-    """One dynamically weighted FedAvg over every site (IsoFed Eq. 3)."""
+    """One dynamically weighted FedAvg over every site (IsoFed Eq. 3).
+
+    ``warmup_rounds`` (default 0, the papers): the first rounds train the
+    labeled sites only (RSCFed's released code starts its semi-supervised
+    rounds from a model trained on the labeled site). Every semi-supervised
+    rule here inherits it."""
 
     needs_labeled = True
 
-    def __init__(self, lambda_c=1.0, lambda_unlabeled=1e4, labeled_multiplier=1.0):
+    def __init__(self, lambda_c=1.0, lambda_unlabeled=1e4, labeled_multiplier=1.0, warmup_rounds=0):
         if lambda_c < 0 or lambda_unlabeled < 0:
             raise ValueError(f"lambda_c and lambda_unlabeled must be >= 0, got {lambda_c}, {lambda_unlabeled}")
         if labeled_multiplier <= 0:
             raise ValueError(f"labeled_multiplier must be > 0, got {labeled_multiplier}")
         self.lambda_c, self.lambda_unlabeled = float(lambda_c), float(lambda_unlabeled)
         self.labeled_multiplier = float(labeled_multiplier)
+        if int(warmup_rounds) < 0:
+            raise ValueError(f"warmup_rounds must be >= 0, got {warmup_rounds}")
+        self.warmup_rounds = int(warmup_rounds)
         self.labeled = set()
+
+    def warming_up(self, round, sites) -> list | None:
+        """The warm-up plan (labeled sites only) while ``round < warmup_rounds``, else None."""
+        if round >= self.warmup_rounds:
+            return None
+        return [Step(tuple(s for s in sites if s in self.labeled), START_GLOBAL, name="warmup")]
+
+    def plan(self, round, sites):
+        return self.warming_up(round, sites) or [Step(tuple(sites))]
 
     def setup(self, summaries):
         super().setup(summaries)
@@ -193,6 +210,9 @@ class IsoFedServer(WeightedFedAvgServer):
     """Isolated aggregation: unlabeled group from the global model, then the labeled group from W_u."""
 
     def plan(self, round, sites):
+        warm = self.warming_up(round, sites)
+        if warm:
+            return warm
         unlabeled = tuple(s for s in sites if s not in self.labeled)
         labeled = tuple(s for s in sites if s in self.labeled)
         steps = [Step(unlabeled, START_GLOBAL, name="unlabeled")] if unlabeled else []
@@ -225,6 +245,9 @@ class RSCFedServer(WeightedFedAvgServer):
                      for _ in range(self.subsets))
 
     def plan(self, round, sites):
+        warm = self.warming_up(round, sites)
+        if warm:
+            return warm
         if self.subset_size > len(sites):
             raise ValueError(f"subset_size={self.subset_size} is larger than the {len(sites)} sites of round {round}")
         groups = self.draw(round, sites)
