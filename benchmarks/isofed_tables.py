@@ -17,7 +17,7 @@ sites keep their labels), the official test split. Every cell is a
 Runs are resumable (finished cells are skipped) and go in priority order: the
 L:U = 1:3 rows first. ``--jobs 2`` runs two bench processes at once with one
 torch thread each. The table (``TABLE.md``) is assembled from every run's
-``results.csv``: the last model after ``--rounds`` rounds, pooled test split,
+finished cells: the last model after ``--rounds`` rounds, pooled test split,
 mean ± sd over seeds, and the paper's value; a cell more than 3 points from the
 paper is marked. Cells not run yet are shown as "not run".
 """
@@ -25,7 +25,7 @@ paper is marked. Cells not run yet are shown as "not run".
 from __future__ import annotations
 
 import argparse
-import csv
+import json
 import os
 import subprocess
 import sys
@@ -119,16 +119,23 @@ def bench(args, run) -> int:
 
 
 def read_results(out: Path) -> dict:
-    """(run name, method, seed, metric) -> value: last model, final round, pooled test split, class mean."""
-    values, rounds = {}, {}
-    for path in sorted((out / "runs").glob("*/results.csv")):
-        name = path.parent.name
-        with open(path) as f:
-            for r in csv.DictReader(f):
-                if r["model"] == "last" and r["group"] == "pooled" and r["class"] == "mean" and r["value"]:
-                    key = (name, r["method"], int(r["seed"]), r["metric"])
-                    if int(r["round"]) >= rounds.get(key, -1):
-                        values[key], rounds[key] = float(r["value"]), int(r["round"])
+    """(run name, method, seed, metric) -> value: last model, final round, pooled test split, class mean;
+    metric "predicted" = how many classes the model predicts at all (per-class recall > 0): 1 = collapsed."""
+    values, rounds, predicted = {}, {}, {}
+    for path in sorted((out / "runs").glob("*/cells/*.json")):  # finished cells (a run may still be going)
+        name = path.parent.parent.name
+        for r in json.loads(path.read_text())["rows"]:
+            if r["model"] != "last" or r["group"] != "pooled" or r["value"] is None:
+                continue
+            key = (name, r["method"], int(r["seed"]), r["metric"])
+            if int(r["round"]) < rounds.get(key, -1):
+                continue
+            if r["class"] == "mean":
+                values[key], rounds[key] = float(r["value"]), int(r["round"])
+            elif r["metric"] == "recall":
+                pk = (name, r["method"], int(r["seed"]), "predicted")
+                predicted.setdefault(pk, {})[r["class"]] = float(r["value"]) > 0
+    values.update({k: float(sum(v.values())) for k, v in predicted.items()})
     return values
 
 
@@ -137,13 +144,15 @@ def table(args) -> str:
     lines = [f"# IsoFed Tables 1-2 on the real MedMNIST files: ours beside the paper's", "",
              f"Last model after {args.rounds} rounds x 1 local epoch, pooled official test split, mean ± sd over "
              "seeds (each seed its own Dirichlet split; n = seeds run). `paper`: Saha et al. 2023, Tables 1-2. "
-             "`!` marks |ours - paper| > 3 points. Floor rows: each labeled site trained alone for the same "
-             "number of epochs.", ""]
+             "`!` marks |ours - paper| > 3 points. `classes predicted`: per seed, how many classes the model "
+             "predicts for at least one test case (1 = collapsed to a single class). Floor rows: each labeled "
+             "site trained alone for the same number of epochs.", ""]
     for ds in args.datasets:
         for gamma in args.gammas:
             lines += [f"## {ds}, gamma = {gamma}", "",
-                      "| method | L:U | " + " | ".join(f"{m} (ours / paper)" for m in METRICS) + " | n |",
-                      "|---|---|" + "---|" * len(METRICS) + "---|"]
+                      "| method | L:U | " + " | ".join(f"{m} (ours / paper)" for m in METRICS)
+                      + " | classes predicted | n |",
+                      "|---|---|" + "---|" * len(METRICS) + "---|---|"]
             rows = [(UB, 4, f"{ds}-g{gamma}-ub")]
             for labeled in (3, 2, 1):
                 rows += [(m, labeled, f"{ds}-g{gamma}-l{labeled}") for m in METHODS]
@@ -164,7 +173,9 @@ def table(args) -> str:
                     cells.append(f"{ours} / {paper[i]:.1f}" if paper is not None else f"{ours} / —")
                 label = LABELS.get(method, method)
                 lu = "4:0" if method == UB else f"{labeled}:{4 - labeled}"
-                lines.append(f"| {label} | {lu} | " + " | ".join(cells) + f" | {n} |")
+                pred = sorted(int(v) for (r, m, s, mt), v in values.items()
+                              if r == run and m == method and mt == "predicted")
+                lines.append(f"| {label} | {lu} | " + " | ".join(cells) + f" | {','.join(map(str, pred)) or '-'} | {n} |")
             lines.append("")
     return "\n".join(lines)
 
