@@ -265,8 +265,8 @@ def test_best_tracks_the_same_sites_every_round():
     eng, _ = engine(answers)
     w, results = GLOBAL, []
     for rnd in range(5):
-        w, record, is_best = eng.run_round(rnd, w, ["A", "B", "C"])
-        results.append((record[f"mean_{KEY}"], is_best))
+        w, record, best = eng.run_round(rnd, w, ["A", "B", "C"])
+        results.append((record[f"mean_{KEY}"], best is not None))
         if rnd == 1:
             assert "A" in record["dropped"]  # dropped update, yet its score of the received model counts
     assert eng.scorers == ["A", "B"]  # fixed by round 0; C (no metric then) never enters the mean
@@ -283,8 +283,8 @@ def test_best_tracks_the_same_sites_every_round():
 
 def test_no_metric_anywhere_is_never_best():
     eng, _ = engine({"A": upd("A", 1, [1, 1])})
-    _, record, is_best = eng.run_round(0, GLOBAL, ["A"])
-    assert record[f"mean_{KEY}"] is None and not is_best and eng.best is None
+    _, record, best = eng.run_round(0, GLOBAL, ["A"])
+    assert record[f"mean_{KEY}"] is None and best is None and eng.best is None
 
 
 def test_check_progress():
@@ -327,8 +327,8 @@ def test_state_dict_round_trip():
     whole, _ = engine(answers, server=Counting())
     w_whole, out_whole = GLOBAL, []
     for rnd in range(4):
-        w_whole, record, is_best = whole.run_round(rnd, w_whole, sites)
-        out_whole.append((record[f"mean_{KEY}"], is_best))
+        w_whole, record, best = whole.run_round(rnd, w_whole, sites)
+        out_whole.append((record[f"mean_{KEY}"], best is not None))
 
     first, _ = engine(answers, server=Counting())
     w = GLOBAL
@@ -340,8 +340,8 @@ def test_state_dict_round_trip():
     second.load_state_dict(saved)
     out = []
     for rnd in range(2, 4):
-        w, record, is_best = second.run_round(rnd, w, sites)
-        out.append((record[f"mean_{KEY}"], is_best))
+        w, record, best = second.run_round(rnd, w, sites)
+        out.append((record[f"mean_{KEY}"], best is not None))
     assert out == out_whole[2:]
     assert out[0] == (pytest.approx(0.6), False)  # not better than round 0's 0.6: the saved best counts
     for k in GLOBAL:

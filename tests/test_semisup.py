@@ -82,27 +82,33 @@ def run_toy(server, deltas, start=0.0):
         out = []
         for s in targets:
             seen.setdefault(s, []).append(float(weights["w"][0]))
-            out.append(Update(s, {"w": np.asarray(weights["w"]) + deltas[s]}, 10))
+            # only labeled sites hold validation data: they score the model they received
+            metrics = {"val_accuracy": 0.5} if s.startswith("L") else {}
+            out.append(Update(s, {"w": np.asarray(weights["w"]) + deltas[s]}, 10, metrics=metrics))
         return out
 
     server.setup(summaries(labeled=[s for s in deltas if s.startswith("L")],
                            unlabeled=[s for s in deltas if s.startswith("U")]))
     engine = RoundEngine(server, send, key_metric="val_accuracy")
-    new, record, _ = engine.run_round(0, {"w": np.array([start], np.float64)}, sorted(deltas))
-    return new, record, seen
+    new, record, best = engine.run_round(0, {"w": np.array([start], np.float64)}, sorted(deltas))
+    return new, record, seen, best
 
 
 def test_isofed_trains_the_unlabeled_group_first_and_the_labeled_group_from_w_u():
-    new, record, seen = run_toy(IsoFedServer(lambda_c=0.0, lambda_unlabeled=0.0), {"U1": 1.0, "U2": 3.0, "L1": 10.0})
+    new, record, seen, best = run_toy(IsoFedServer(lambda_c=0.0, lambda_unlabeled=0.0),
+                                      {"U1": 1.0, "U2": 3.0, "L1": 10.0})
     assert [s["name"] for s in record["steps"]] == ["unlabeled", "labeled"]
     assert seen["U1"] == seen["U2"] == [0.0]      # the unlabeled group starts from the global model
     assert seen["L1"] == [2.0]                    # the labeled group starts from W_u = mean(1, 3)
     assert new["w"][0] == pytest.approx(12.0)     # the new global model: the labeled group's aggregate
+    # the validation score is of W_u (what the labeled site received), so W_u is the best-model candidate
+    assert best["w"][0] == pytest.approx(2.0)
 
 
 def test_mt_wfedavg_trains_every_site_at_once_from_the_global_model():
-    new, record, seen = run_toy(WeightedFedAvgServer(lambda_c=0.0), {"U1": 1.0, "U2": 3.0, "L1": 10.0})
+    new, record, seen, best = run_toy(WeightedFedAvgServer(lambda_c=0.0), {"U1": 1.0, "U2": 3.0, "L1": 10.0})
     assert len(record["steps"]) == 1 and all(v == [0.0] for v in seen.values())
+    assert best["w"][0] == 0.0  # the round's start model was scored
     assert new["w"][0] == pytest.approx(14.0 / 3)
 
 

@@ -84,20 +84,22 @@ class RoundEngine:
 
     # ---------------------------------------------------------------- round
     def run_round(self, rnd: int, weights: dict, sites: list) -> tuple:
-        """One round from ``weights``. Returns (new weights, record, is_best) where
-        ``is_best`` says the model the sites received (``weights``) is the best so far."""
+        """One round from ``weights``. Returns (new weights, record, best) where ``best``
+        is the model the scoring sites validated when it is the best so far, else None.
+        That model is the one they received: ``weights``, or a step's start
+        within the round (IsoFed's labeled sites receive W_u)."""
         record = {"round": rnd, "sites": {}, "dropped": {}, "abstained": [], "steps": []}
-        scores = {}
+        scores, scored = {}, {}
         start, previous = weights, weights
         for step in self.server.plan(rnd, list(sites)):
             origin = previous if step.start == START_PREVIOUS else start
             if step.groups:
-                results = [self._train(step, list(g), origin, rnd, record, scores, draw)
+                results = [self._train(step, list(g), origin, rnd, record, scores, scored, draw)
                            for draw, g in enumerate(step.groups)]
                 results = [r for r in results if r is not None]
                 new = self.server.combine(results, origin, rnd, step) if results else None
             else:
-                new = self._train(step, list(step.sites), origin, rnd, record, scores)
+                new = self._train(step, list(step.sites), origin, rnd, record, scores, scored)
             if new is not None and not finite(new):
                 self.log("warning", f"round {rnd} step {step.name}: the aggregate is not finite; model kept")
                 new = None
@@ -106,12 +108,17 @@ class RoundEngine:
         record["aggregated"] = any(s["aggregated"] for s in record["steps"])
         self.aggregated_rounds += record["aggregated"]
         record[f"mean_{self.key_metric}"] = score = self._score(rnd, scores)
-        is_best = score is not None and (self.best is None or score > self.best)
-        if is_best:
-            self.best = score
-        return previous, record, is_best
+        models = list({id(m): m for m in scored.values()}.values())
+        if score is not None and len(models) > 1:
+            self.log("warning", f"round {rnd}: the scoring sites validated different models (steps from different "
+                                "starts); the round is not a best-model candidate")
+            return previous, record, None
+        if score is None or (self.best is not None and score <= self.best):
+            return previous, record, None
+        self.best = score
+        return previous, record, models[0]
 
-    def _train(self, step, targets, weights, rnd, record, scores, draw=None):
+    def _train(self, step, targets, weights, rnd, record, scores, scored, draw=None):
         """Send one group, screen, aggregate; None when nothing was aggregated."""
         extras = self.server.extras(rnd, step)
         if draw is not None:  # a site may train in several groups of a step: each is its own draw
@@ -119,8 +126,8 @@ class RoundEngine:
         updates = self.send(step, targets, weights, rnd, extras)
         usable = []
         for u in updates:
-            if self.key_metric in u.metrics:
-                scores[u.site] = float(u.metrics[self.key_metric])
+            if self.key_metric in u.metrics:  # the site's score of the model it received (``weights``)
+                scores[u.site], scored[u.site] = float(u.metrics[self.key_metric]), weights
             record["sites"].setdefault(u.site, {}).update({"n": u.n, **u.metrics})
             if u.abstain and u.reason:
                 record["dropped"][u.site] = u.reason

@@ -66,10 +66,9 @@ def federate(method: str, site_setups: dict, rounds: int, seed=0, log=print, cli
     best, records = dict(weights), []
     for rnd in range(rounds):
         t0 = time.time()
-        received = weights
-        weights, record, is_best = engine.run_round(rnd, weights, list(clients))
-        if is_best:
-            best = received
+        weights, record, best_now = engine.run_round(rnd, weights, list(clients))
+        if best_now is not None:
+            best = best_now
         record["seconds"] = time.time() - t0
         records.append(record)
         say("info", f"round {rnd}: " + " ".join(f"{s}={r.get('train_loss', float('nan')):.3f}"

@@ -201,10 +201,10 @@ class FedLabelsController(BaseFedAvg):
             self.fl_ctx.set_prop(AppConstants.CURRENT_ROUND, rnd, private=True, sticky=False)
             self.event(AppEventType.ROUND_STARTED)
             received = dict(model.params)
-            weights, record, is_best = engine.run_round(rnd, received, list(clients))
-            if is_best:
-                self._save_best(received)
-                self.info(f"round {rnd}: new best {key}={engine.best:.4f} (the model the sites received)")
+            weights, record, best = engine.run_round(rnd, received, list(clients))
+            if best is not None:
+                self._save_best(best)
+                self.info(f"round {rnd}: new best {key}={engine.best:.4f} (the model the scoring sites received)")
             model = self.update_model(model, FLModel(params=weights, params_type=ParamsType.FULL, meta={}))
             self.save_model(model)
             self._log_round(record, key, time.time() - t0)
