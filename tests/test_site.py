@@ -1,5 +1,6 @@
 """A site's setup from its bundle: the strong second view a method may ask for."""
 
+import pytest
 import torch
 
 from fedlabels.data.synthetic import generate
@@ -42,3 +43,18 @@ def test_context_keeps_the_raw_items_for_the_method(tmp_path):
     assert len(ctx.items) == len(setup.site.training) > 0
     assert "pixel" not in levels and len(setup.train_loader.dataset) == 0  # nothing a Dice loss can use
     assert any(i.get("boxes") for i in ctx.items)
+
+
+@pytest.mark.parametrize("family, bundle", [("medmnist", "medmnist_cnn"), ("cxr", "cxr_resnet18"),
+                                            ("lesion", "lesion_unet")])
+def test_training_draws_leave_the_cached_cases_unchanged(family, bundle, tmp_path):
+    """The cache is not copied before the random transforms: none of them may write into it."""
+    data = generate(family, tmp_path / family, seed=0, sites=4 if family == "cxr" else 2, cases=16, test_cases=4)
+    setup = setup_site(bundle_path(bundle), data, "site-1", strong_view=True)
+    cached = setup.train_loader.dataset.weak
+    before = [{k: v.clone() for k, v in case.items() if torch.is_tensor(v)} for case in cached._cache]
+    for _ in range(3):
+        for _batch in setup.train_loader:
+            pass
+    for old, case in zip(before, cached._cache):
+        assert all(torch.equal(v, case[k]) for k, v in old.items())

@@ -75,7 +75,15 @@ def plain_tensors():
 
 
 class CachedCases(CacheDataset):
-    """The bundle's deterministic transforms cached once; its random ones per draw, on plain tensors."""
+    """The bundle's deterministic transforms cached once; its random ones per draw, on plain tensors.
+
+    The cached case is not deep-copied before the random transforms
+    (``copy_cache=False``): every bundle's random transforms return new
+    tensors (tests/test_site.py checks the cache is unchanged after training
+    draws), and the copy cost as much as a 28 px transform."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, copy_cache=False, **kw)
 
     def _transform(self, index):
         with plain_tensors():
