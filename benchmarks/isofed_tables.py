@@ -12,7 +12,8 @@ sites keep their labels), the official test split. Every cell is a
   isofed_nopt and the floor (each labeled site alone); seeds ``--seeds``
   (``--seeds-13`` for the L:U = 1:3 rows); each seed is its own Dirichlet split;
 * one per (dataset, gamma) for the upper bound ``oracle:wfedavg`` (the same
-  split with every site's labels).
+  splits with every site's labels; the Dirichlet split depends on the seed and
+  gamma only, so L:U changes who keeps labels, not who holds which case).
 
 Runs are resumable (finished cells are skipped) and go in priority order: the
 L:U = 1:3 rows first. ``--jobs 2`` runs two bench processes at once with one
@@ -92,13 +93,13 @@ def prepare(args, ds, gamma, labeled, seed) -> None:
 def runs(args) -> list:
     """(name, dataset, gamma, labeled, methods, seeds) in priority order: L:U = 1:3 first."""
     out = []
-    for labeled in (1, 3, 2):
+    for labeled in args.labeled:
         for ds in args.datasets:
             for gamma in args.gammas:
                 seeds = args.seeds_13 if labeled == 1 else args.seeds
                 out.append((f"{ds}-g{gamma}-l{labeled}", ds, gamma, labeled, METHODS, seeds))
-                if labeled == 1:
-                    out.append((f"{ds}-g{gamma}-ub", ds, gamma, 1, [UB], args.seeds))
+                if labeled == 1:  # the upper bound on the same splits as the 1:3 rows
+                    out.append((f"{ds}-g{gamma}-ub", ds, gamma, 1, [UB], args.seeds_13))
     return out
 
 
@@ -139,6 +140,42 @@ def read_results(out: Path) -> dict:
     return values
 
 
+def _cell(values, run, method, metric="accuracy", paper=None):
+    vals = [v for (r, m, s, mt), v in values.items() if r == run and m == method and mt == metric]
+    if not vals:
+        return "not run"
+    mean = 100 * float(np.mean(vals))
+    text = f"{mean:.1f}" + (f" ± {100 * float(np.std(vals, ddof=1)):.1f}" if len(vals) > 1 else "")
+    collapsed = sum(1 for (r, m, s, mt), v in values.items() if r == run and m == method and mt == "predicted" and v == 1)
+    text += f" ({collapsed}/{len(vals)} collapsed)" if collapsed else ""
+    return text + (f" / {paper:.1f}" if paper is not None else "")
+
+
+def glance(args, values) -> list:
+    """Accuracy only, one row per (dataset, gamma, L:U): ours / paper; the best labeled site alone."""
+    cols = [UB] + METHODS
+    lines = ["## Accuracy at a glance (ours / paper; mean ± sd over seeds; collapsed = predicts one class)", "",
+             "| dataset | gamma | L:U | " + " | ".join(LABELS[m] for m in cols) + " | best labeled site alone |",
+             "|---|---|---|" + "---|" * (len(cols) + 1)]
+    for ds in args.datasets:
+        for gamma in args.gammas:
+            for labeled in (3, 2, 1):
+                run = f"{ds}-g{gamma}-l{labeled}"
+                cells = []
+                for m in cols:
+                    paper = PAPER[ds].get((m, 4 if m == UB else labeled), {}).get(gamma)
+                    paper = None if paper is None else paper[0]  # accuracy
+                    cells.append(_cell(values, f"{ds}-g{gamma}-ub" if m == UB else run, m, paper=paper))
+                floors = [(float(np.mean([v for (r, mm, s, mt), v in values.items()
+                                          if r == run and mm == f"local:site-{k}" and mt == "accuracy"] or [np.nan])), k)
+                          for k in range(1, labeled + 1)]
+                floors = [f for f in floors if not np.isnan(f[0])]
+                best = max(floors) if floors else None
+                cells.append(f"{_cell(values, run, f'local:site-{best[1]}')} (site-{best[1]})" if best else "not run")
+                lines.append(f"| {ds} | {gamma} | {labeled}:{4 - labeled} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def table(args) -> str:
     values = read_results(args.out)
     lines = [f"# IsoFed Tables 1-2 on the real MedMNIST files: ours beside the paper's", "",
@@ -147,6 +184,7 @@ def table(args) -> str:
              "`!` marks |ours - paper| > 3 points. `classes predicted`: per seed, how many classes the model "
              "predicts for at least one test case (1 = collapsed to a single class). Floor rows: each labeled "
              "site trained alone for the same number of epochs.", ""]
+    lines += glance(args, values)
     for ds in args.datasets:
         for gamma in args.gammas:
             lines += [f"## {ds}, gamma = {gamma}", "",
@@ -189,12 +227,13 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--seeds", default="0")
     p.add_argument("--seeds-13", default="0,1,2", help="seeds of the L:U = 1:3 rows")
+    p.add_argument("--labeled", default="1,3,2", help="which L (labeled sites of 4) to run, in this order")
     p.add_argument("--jobs", type=int, default=1, help="bench processes at once (one torch thread each when > 1)")
     p.add_argument("--table-only", action="store_true", help="only assemble TABLE.md from finished cells")
     args = p.parse_args(argv)
     args.datasets = [d for d in args.datasets.split(",") if d]
     args.gammas = [float(g) for g in args.gammas.split(",") if g]
-    args.seeds, args.seeds_13 = _seeds(args.seeds), _seeds(args.seeds_13)
+    args.seeds, args.seeds_13, args.labeled = _seeds(args.seeds), _seeds(args.seeds_13), _seeds(args.labeled)
     args.out = args.out.resolve()
     args.src = args.src.resolve()
     args.threads = 1 if args.jobs > 1 else int(os.environ.get("OMP_NUM_THREADS", "2"))
