@@ -238,7 +238,7 @@ def test_flare_engine_matches_the_inprocess_engine(tmp_path):
     assert code == 0, stderr
     flare_rows = _read_csv(flare_out / "results.csv")
     assert {r["method"] for r in flare_rows} == {"fedavg", "local:site-1", "local:site-2"}
-    assert {r["metric"] for r in flare_rows} == {"accuracy", "auroc"}
+    assert {r["metric"] for r in flare_rows} == {"accuracy", "auroc", "precision", "recall"}
     # the same data as a fixed folder, in-process
     inproc_out = tmp_path / "inprocess"
     code, _, stderr = _main(common + ["--data", flare_out / "data" / "medmnist-seed0", "--out", inproc_out])
