@@ -18,7 +18,7 @@ engine (``references.federate``, the arithmetic a FLARE job runs):
   ``ThreadDataLoader`` (augmentation in a background thread, overlapping the
   training step) and ``DataLoader(num_workers=1)`` (a worker process per pass).
 
-    python benchmarks/isofed_tables.py --table-only ...   # prepares the splits first
+    python benchmarks/isofed_tables.py --src DIR_OF_NPZ ...   # a run prepares the splits under OUT/data
     python benchmarks/isofed_speed.py --data benchmarks/results/isofed/data/bloodmnist-g0.8-l1-s0
 
 Writes ``benchmarks/results/isofed_speed.md`` (``--out``).
@@ -46,7 +46,7 @@ LOADERS = {
 }
 
 
-def data_pass_seconds(setups: dict, method: str, pretrain: bool) -> float:
+def data_pass_seconds(setups: dict, pretrain: bool) -> float:
     """One round's draws from every site's training loader, no training."""
     t0 = time.perf_counter()
     for st in setups.values():
@@ -87,7 +87,7 @@ def main(argv=None):
     pretrain = bool(methods.get(args.method).client_options().get("pretrain", False))
     data_s, round_s = [], []
     for _ in range(args.repeats):
-        data_s.append(data_pass_seconds(setups, args.method, pretrain))
+        data_s.append(data_pass_seconds(setups, pretrain))
         extra = references.federate(args.method, setups, rounds=1, seed=1, log=None)
         round_s.append(extra["records"][0]["seconds"])
     share = np.array(data_s) / np.array(round_s)

@@ -251,7 +251,9 @@ def main(argv=None):
             codes = list(pool.map(lambda r: bench(args, r), todo))
         print(f"[isofed] all runs done in {time.time() - t0:.0f}s; exit codes {codes}", flush=True)
     text = table(args)
-    (args.out / "TABLE.md").write_text(text)
+    tmp = args.out / "TABLE.md.tmp"  # a reader never sees half a table
+    tmp.write_text(text)
+    tmp.replace(args.out / "TABLE.md")
     print(text)
 
 

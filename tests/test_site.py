@@ -53,8 +53,8 @@ def test_training_draws_leave_the_cached_cases_unchanged(family, bundle, tmp_pat
     setup = setup_site(bundle_path(bundle), data, "site-1", strong_view=True)
     cached = setup.train_loader.dataset.weak
     before = [{k: v.clone() for k, v in case.items() if torch.is_tensor(v)} for case in cached._cache]
-    for _ in range(3):
-        for _batch in setup.train_loader:
-            pass
+    assert before and all(before)
+    drawn = sum(len(batch["image_strong"]) for _ in range(3) for batch in setup.train_loader)
+    assert drawn == 3 * len(cached)
     for old, case in zip(before, cached._cache):
         assert all(torch.equal(v, case[k]) for k, v in old.items())
