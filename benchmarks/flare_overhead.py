@@ -69,10 +69,11 @@ class TreeSampler:
     tree used, and the load average while it ran.
     """
 
-    def __init__(self, root_pid: int, interval: float = 0.2):
+    def __init__(self, root_pid: int, interval: float = 0.2, pss: bool = True):
         import psutil
 
         self.psutil, self.root, self.interval = psutil, psutil.Process(root_pid), interval
+        self.pss = pss  # PSS reads every process's smaps: costly with dozens of processes
         self.peak_rss = self.peak_pss = 0
         self.peak_sample: list = []
         self.procs: dict = {}  # pid -> {role, rss, cpu}
@@ -100,7 +101,7 @@ class TreeSampler:
         for p in self.root.children(recursive=True):
             try:
                 with p.oneshot():
-                    mem = p.memory_full_info()
+                    mem = p.memory_full_info() if self.pss else p.memory_info()
                     cpu = p.cpu_times()
                     info = self.procs.get(p.pid)
                     if info is None:
@@ -311,16 +312,17 @@ SETUP_LINE = re.compile(r"\[site-\d+\] \S+ on .*: \d+ training cases")
 CLIENT_LINE = re.compile(r"\[(site-\d+)\] round (\d+): n=\d+ .*\(([\d.]+)s\)")
 
 
-def run_flare(work: Path, data: Path, rounds: int, sites: int, threads: int, tag: str) -> dict:
+def run_flare(work: Path, data: Path, rounds: int, sites: int, threads: int, tag: str, job: str = JOB,
+              sampler_options: dict | None = None, **changes) -> dict:
     from fedlabels.flare.commands import simulate
     from fedlabels.flare.job import JOBS, export
 
-    spec = dataclasses.replace(JOBS[JOB], name=f"{JOB}_{tag}", rounds=rounds, sites=sites)
+    spec = dataclasses.replace(JOBS[job], name=f"{job}_{tag}", rounds=rounds, sites=sites, **changes)
     job_dir = export(spec, work / "jobs")
     ws, log = work / f"ws-{tag}", work / f"{tag}.log"
     lo0 = loopback_bytes()
     t0 = time.time()
-    with TreeSampler(os.getpid()) as sampler:
+    with TreeSampler(os.getpid(), **(sampler_options or {})) as sampler:
         run_dir = simulate(job_dir, ws, sites, data=data, threads=threads, log=log)
     wall = time.time() - t0
     lo1 = loopback_bytes()
@@ -346,6 +348,8 @@ def run_flare(work: Path, data: Path, rounds: int, sites: int, threads: int, tag
         "site_compute_s": [sum(site_s.get(r, {}).values()) for r in range(rounds)],
         "site_compute_max_s": [max(site_s.get(r, {}).values(), default=0.0) for r in range(rounds)],
         "wall_s": wall,
+        "started": t0,
+        "ws": str(ws),
         "loopback_bytes": None if lo0 is None else lo1 - lo0,
         "memory": sampler.summary(),
         "log": str(log),

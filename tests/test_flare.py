@@ -3,6 +3,7 @@
 import dataclasses
 import filecmp
 import json
+import re
 import shutil
 import sys
 import time
@@ -28,11 +29,11 @@ def data(tmp_path_factory):
 _RUNS = {}
 
 
-def run(spec, tmp_path, data, tag="", **changes):
+def run(spec, tmp_path, data, tag="", threads=None, **changes):
     spec = dataclasses.replace(spec, **{**TINY, **changes})
     job = export(spec, tmp_path / f"jobs{tag}")
     log = tmp_path / f"{spec.name}{tag}.log"
-    return simulate(job, tmp_path / f"ws{tag}", spec.sites, data=data, log=log, timeout=300), log
+    return simulate(job, tmp_path / f"ws{tag}", spec.sites, data=data, threads=threads, log=log, timeout=300), log
 
 
 def weights(run_dir, name="FL_global_model.pt"):
@@ -240,6 +241,49 @@ def test_resume_is_exact(tmp_path, data, job_runs, monkeypatch):
     a, b = weights(resumed), weights(straight)
     for k in a:
         np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-6, err_msg=k)
+
+
+def test_sites_taking_turns_in_fewer_processes_continue_their_state(tmp_path, data, monkeypatch):
+    """nvflare's simulator with fewer threads than sites starts a new process for every
+    site task; each site continues its saved state (FedBN: its own batch norm and Adam
+    moments), so the run equals the one with a long-lived process per site. (One torch
+    thread in both runs: another thread count changes the sums' order, not the state.)"""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    straight, _ = run(JOBS["fedbn_cxr"], tmp_path, data, "own", threads=2)
+    turns, log = run(JOBS["fedbn_cxr"], tmp_path, data, "turns", threads=1)
+    text = log.read_text()
+    for site in ("site-1", "site-2"):  # round 1 runs in a new process
+        assert f"[{site}] continued its state of this run" in text
+    a, b = weights(turns), weights(straight)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_half_precision_transfer_runs_in_the_simulator(tmp_path, data, job_runs):
+    """transfer=float16: nvflare's ModelQuantizer/ModelDequantizer filters on both sides;
+    the site's upload, as nvflare's download service counted it, is about half the
+    float32 run's, and the server's model comes back in float32."""
+    full, _ = job_runs("fedavg_cxr")
+    half, log = run(JOBS["fedavg_cxr"], tmp_path, data, transfer="float16")
+    assert [r["round"] for r in rounds(half)] == [0, 1]
+    assert "Running quantization on" in (half.parents[1] / "server" / "log.txt").read_text()
+    w = weights(half)
+    assert all(v.dtype != np.float16 for v in w.values())
+    assert all(np.isfinite(v).all() for v in w.values() if v.dtype.kind == "f")
+    up_full, up_half = uploads(full), uploads(half)
+    assert len(up_full) == len(up_half) == 4  # 2 sites x 2 rounds
+    assert max(up_half) <= 0.51 * min(up_full), (up_half, up_full)
+
+
+# A site's log line when the server fetched that site's update through nvflare's
+# download service (messages with arrays over 2 MiB travel through it).
+UPLOAD = re.compile(r"\[server\] download tx \S+ done: status=\w+ .*\(([\d,]+) bytes\)")
+
+
+def uploads(run_dir) -> list:
+    ws = run_dir.parents[1]
+    return [int(n.replace(",", "")) for log in sorted(ws.glob("site-*/log.txt")) for n in UPLOAD.findall(log.read_text())]
 
 
 def test_a_run_that_never_aggregates_fails_with_the_reason(tmp_path, data):

@@ -45,9 +45,11 @@ def cmd_synth(args):
     from .profile import format_summary, load_scenario
 
     kwargs = {k: v for k, v in (("size", args.size), ("cases", args.cases), ("test_cases", args.test_cases)) if v}
+    if args.sites < 1:
+        raise ValueError(f"--sites must be >= 1, not {args.sites}")
     if args.family == "medmnist":
         kwargs.update(gamma=args.gamma, labeled=[int(i) - 1 for i in args.labeled.split(",")] if args.labeled else None)
-    root = generate(args.family, args.out, seed=args.seed, progress=_say, **kwargs)
+    root = generate(args.family, args.out, seed=args.seed, sites=args.sites, progress=_say, **kwargs)
     _say(format_summary(load_scenario(root)))
     _say(f"wrote {root}")
 
@@ -122,6 +124,8 @@ def build_parser(flare: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--size", type=int, help="image size in pixels")
     s.add_argument("--cases", type=int, help="cases per site (medmnist: in total)")
     s.add_argument("--test-cases", type=int)
+    s.add_argument("--sites", type=int, default=4,
+                   help="number of sites (cxr: site k labels like FedPSL Table I's site k mod 4; default 4)")
     s.add_argument("--gamma", type=float, default=0.8, help="medmnist: Dirichlet label skew")
     s.add_argument("--labeled", help="medmnist: comma-separated site numbers that keep labels (default 1)")
     s.set_defaults(fn=cmd_synth)

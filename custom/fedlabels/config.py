@@ -7,7 +7,7 @@ a wrong field fails with the file and field named.
     {"method": "surgical", "bundle": "cxr_densenet121",
      "client": {"lr": 0.001, "warmup_epochs": 3}, "server": {"weighted": false},
      "network": {"out_channels": 6}, "data": {"family": "cxr", "synth": {"cases": 40}, "batch_size": null},
-     "seed": 0, "key_metric": null, "min_sites": 1}
+     "seed": 0, "key_metric": null, "min_sites": 1, "transfer": "float32"}
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ FILE = "fedlabels.json"
 
 # The validation metric that picks the best model, per task (mean over sites).
 KEY_METRICS = {"multilabel": "val_auroc", "multiclass": "val_accuracy", "segmentation": "val_dice"}
+# Precision of the weights sent each way (float16: nvflare's ModelQuantizer/ModelDequantizer filters).
+TRANSFERS = ("float32", "float16")
 
 
 class ConfigError(ValueError):
@@ -42,6 +44,7 @@ class RunConfig:
     key_metric: str | None = None                # None: the task's default (KEY_METRICS)
     min_sites: int = 1
     faults: list = field(default_factory=list)   # fault drills "SITE:KIND:ROUND" (flare/client.py)
+    transfer: str = "float32"                    # weights on the wire; "float16": nvflare's quantization filters
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -73,7 +76,7 @@ class RunConfig:
         if "method" not in doc:
             raise ConfigError(path, "method", "missing")
         types = {"method": str, "bundle": str, "client": dict, "server": dict, "network": dict, "data": dict,
-                 "seed": int, "min_sites": int, "faults": list}
+                 "seed": int, "min_sites": int, "faults": list, "transfer": str}
         for name, typ in types.items():
             if name in doc and not isinstance(doc[name], typ) or isinstance(doc.get(name), bool) and typ is int:
                 raise ConfigError(path, name, f"expected {typ.__name__}, got {type(doc[name]).__name__}")
@@ -103,6 +106,8 @@ class RunConfig:
             raise ConfigError(path, side, str(e)) from None
         if self.min_sites < 1:
             raise ConfigError(path, "min_sites", "must be >= 1")
+        if self.transfer not in TRANSFERS:
+            raise ConfigError(path, "transfer", f"must be one of {TRANSFERS}, not {self.transfer!r}")
 
     def metric(self, task: str) -> str:
         return self.key_metric or KEY_METRICS[task]

@@ -237,22 +237,32 @@ def train_task(client, setup: SiteSetup, weights: dict, rnd: int, extras: dict) 
     return update
 
 
-def save_state(path, client, rnd: int) -> None:
-    """The client rule's state after round ``rnd``, written atomically (exact resume)."""
+def save_state(path, client, rnd: int, run: str | None = None) -> None:
+    """The client rule's state after round ``rnd`` of run ``run``, written atomically (exact resume)."""
     import io
 
     buf = io.BytesIO()
-    torch.save({"round": rnd, "state": client.state_dict()}, buf)
+    torch.save({"round": rnd, "run": run, "state": client.state_dict()}, buf)
     write_atomic(Path(path), buf.getvalue())
 
 
-def load_state(path, client, before: int) -> None:
-    """Restore the state a site saved in the last round it trained, which must precede round ``before``."""
+def load_state(path, client, before: int, run: str | None = None) -> bool:
+    """Restore the state a site saved in the last round it trained, which must precede round ``before``.
+
+    Without ``run`` (resuming a finished or stopped run) the state must exist. With
+    ``run`` (a new process continuing the same run) it is loaded only if it was saved
+    by that run; returns whether it was loaded.
+    """
     path = Path(path)
     if not path.is_file():
+        if run is not None:
+            return False
         raise FileNotFoundError(f"{path}: no saved site state to resume from")
     saved = torch.load(path, map_location="cpu", weights_only=False)
+    if run is not None and saved.get("run") != run:
+        return False
     if saved["round"] >= before:
         raise ValueError(f"{path}: field 'round': the saved site state is of round {saved['round']}, "
                          f"not before the resumed round {before}")
     client.load_state_dict(saved["state"])
+    return True

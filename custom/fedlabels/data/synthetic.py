@@ -3,7 +3,9 @@
 Three families, each written as a scenario folder (profile.py):
 
 * ``cxr`` -- multi-label chest-X-ray-like grayscale images, 6 co-occurring
-  findings, 4 sites labeling the classes of FedPSL's Table I, per-site
+  findings, 4 sites labeling the classes of FedPSL's Table I (with more
+  sites, site k takes the label set, size and annotated fractions of Table I's
+  site k mod 4, and its own acquisition shift), per-site
   acquisition shift (contrast, gamma, noise), imbalanced prevalence, unequal
   site sizes (``CXR_SITE_SCALE``) and partial annotation inside a site: a
   site annotates some of its classes on only part of its cases
@@ -13,7 +15,8 @@ Three families, each written as a scenario folder (profile.py):
 * ``medmnist`` -- 28 px RGB multi-class images, 8 classes, Dirichlet(gamma)
   label split over the sites, some sites unlabeled;
 * ``lesion`` -- 2D lesion segmentation (some images lesion-free), per-site
-  supervision pixel | bbox | image | none, boxes from masks plus a random
+  supervision pixel | bbox | image | none (repeated in that order for more than
+  4 sites), boxes from masks plus a random
   1-10 px margin.
 
 ``default_scenario(family)`` generates into a cache folder on first use (under
@@ -138,9 +141,9 @@ def cxr_image(rng, labels, size, shift):
     return _acquire(img, shift, rng)
 
 
-def cxr_site_cases(cases: int) -> list:
-    """Cases per site for a reference site size ``cases`` (``CXR_SITE_SCALE``)."""
-    return [max(2, int(scale * cases + 0.5)) for scale in CXR_SITE_SCALE]
+def cxr_site_cases(cases: int, sites: int = 4) -> list:
+    """Cases per site for a reference site size ``cases`` (``CXR_SITE_SCALE``, cycled)."""
+    return [max(2, int(CXR_SITE_SCALE[k % len(CXR_SITE_SCALE)] * cases + 0.5)) for k in range(sites)]
 
 
 def _annotate_part(items, fractions, rng):
@@ -264,16 +267,17 @@ def generate(family: str, out, seed: int = 0, size: int | None = None, cases: in
     with scenario_writer(out) as tmp:
         if family == "cxr":
             size, cases, test_cases = size or 64, cases or 300, test_cases or 400
-            if sites != len(CXR_SITE_CLASSES):
-                raise ValueError("the cxr family has the 4 sites of FedPSL Table I")
+            if sites < 1:
+                raise ValueError(f"sites must be >= 1, not {sites}")
             task, classes = "multilabel", CXR_CLASSES
-            site_cases = cxr_site_cases(cases)
+            site_cases = cxr_site_cases(cases, sites)
+            table = [k % len(CXR_SITE_CLASSES) for k in range(sites)]  # the Table I site each site copies
             extra = {"site_cases": dict(zip(names, site_cases)),
-                     "annotated_fraction": dict(zip(names, CXR_ANNOTATED_FRACTION))}
+                     "annotated_fraction": {name: CXR_ANNOTATED_FRACTION[t] for name, t in zip(names, table)}}
             for k, name in enumerate(names):
-                n_k = site_cases[k]
+                n_k, t = site_cases[k], table[k]
                 labels = _cxr_labels(rng, n_k)
-                keep = np.array([c in CXR_SITE_CLASSES[k] for c in CXR_CLASSES])
+                keep = np.array([c in CXR_SITE_CLASSES[t] for c in CXR_CLASSES])
                 items, oracle = [], []
                 for i in range(n_k):
                     rel = f"images/{i:05d}.png"
@@ -282,8 +286,8 @@ def generate(family: str, out, seed: int = 0, size: int | None = None, cases: in
                     oracle.append({"image": rel, "label": labels[i].tolist()})
                 train, val = _split(items, val_fraction, rng)
                 for part in (train, val):
-                    _annotate_part(part, CXR_ANNOTATED_FRACTION[k], rng)
-                profile = SiteProfile(name, task, tuple(classes), tuple(CXR_SITE_CLASSES[k]), "image")
+                    _annotate_part(part, CXR_ANNOTATED_FRACTION[t], rng)
+                profile = SiteProfile(name, task, tuple(classes), tuple(CXR_SITE_CLASSES[t]), "image")
                 write_site(tmp / name, profile, train, val, {"training": _match(oracle, train), "validation": _match(oracle, val)})
                 say(f"{name}: {n_k} images")
             labels = _cxr_labels(rng, test_cases)
@@ -325,7 +329,7 @@ def generate(family: str, out, seed: int = 0, size: int | None = None, cases: in
         else:
             size, cases, test_cases = size or 64, cases or 120, test_cases or 120
             task, classes = "segmentation", LESION_CLASSES
-            levels = list(supervision or ["pixel", "bbox", "image", "none"][:sites])
+            levels = list(supervision or [["pixel", "bbox", "image", "none"][k % 4] for k in range(sites)])
             if len(levels) != sites:
                 raise ValueError(f"supervision lists {len(levels)} levels for {sites} sites")
             for k, name in enumerate(names):

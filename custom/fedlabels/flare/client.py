@@ -32,7 +32,7 @@ from ..config import FILE, RunConfig
 from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, REASON, RESUME, to_numpy
 from ..profile import ScenarioError
 from ..site import flat_metrics, load_state, save_state, setup_site, train_task, validate_task
-from .controller import FATAL, SUMMARY, THREADS
+from .controller import FATAL, RUN, SUMMARY, THREADS, on_the_wire
 
 
 def build_parser():
@@ -87,12 +87,21 @@ def prepare(cfg: RunConfig, args, site: str, here: Path | None):
     return setup, method.make_client(setup.net, setup.context(), **cfg.client)
 
 
+def size_threads(meta: dict) -> None:
+    """Simulated sites share one machine: take the share of the cores the server gives,
+    unless OMP_NUM_THREADS says otherwise. Every task carries it, as a task may be the
+    first of a new process."""
+    if meta.get(THREADS) and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(int(meta[THREADS]))
+
+
 def main(argv=None, here: Path | None = None):
     args = build_parser().parse_args(argv)
     flare.init()
     site = flare.get_site_name()
     state_path = Path(os.environ.get("FEDLABELS_STATE", "fedlabels_state")) / f"{site}.pt"
     cfg, fatal = None, None
+    first_task = True
     try:
         cfg = RunConfig.load(Path(args.config) if here is None else here / args.config)
         setup, client = prepare(cfg, args, site, here)
@@ -110,24 +119,25 @@ def main(argv=None, here: Path | None = None):
             continue
         meta = model.meta or {}
         t0 = time.time()
-        if flare.is_train() and meta.get(PHASE) == "summary":
-            # Simulated sites share one machine: take the share of the cores the server
-            # gives, unless OMP_NUM_THREADS says otherwise (`fedlabels simulate` sets it).
-            if meta.get(THREADS) and "OMP_NUM_THREADS" not in os.environ:
-                torch.set_num_threads(int(meta[THREADS]))
+        if first_task:
+            size_threads(meta)
             print(f"[{site}] torch threads: {torch.get_num_threads()}", flush=True)
+        if flare.is_train() and meta.get(PHASE) == "summary":
             flare.send(FLModel(params={}, meta={SUMMARY: setup.summary()}))
         elif flare.is_train():
             rnd = model.current_round
             if site in (meta.get(RESUME) or []):
                 load_state(state_path, client, before=rnd)
                 print(f"[{site}] resumed its state from {state_path}", flush=True)
+            elif first_task and load_state(state_path, client, before=rnd, run=meta.get(RUN)):
+                # nvflare's simulator with fewer threads than sites: a new process per task
+                print(f"[{site}] continued its state of this run from {state_path}", flush=True)
             update = train_task(client, setup, model.params, rnd, meta.get(EXTRAS) or {})
-            save_state(state_path, client, rnd)
+            save_state(state_path, client, rnd, run=meta.get(RUN))
             out = {**update.meta, N: update.n, ABSTAIN: update.abstain, REASON: update.reason, EXTRAS: update.extras,
                    "NUM_STEPS_CURRENT_ROUND": update.n}
             weights, out = inject_fault(cfg.faults, site, rnd, update.weights, out)
-            flare.send(FLModel(params=weights, metrics=update.metrics, meta=out))
+            flare.send(FLModel(params=on_the_wire(weights, cfg.transfer), metrics=update.metrics, meta=out))
             scores = {k: v for k, v in update.metrics.items() if k.startswith("val_") and "/" not in k}
             print(f"[{site}] round {rnd}: n={update.n}" + (f" stopped: {update.reason}" if update.reason else
                   " abstained" if update.abstain else
@@ -137,7 +147,8 @@ def main(argv=None, here: Path | None = None):
             result = validate_task(client, setup, model.params)
             flare.send(FLModel(metrics=flat_metrics(result) or {"val_cases": 0.0}, meta={"evaluation": result}))
         elif flare.is_submit_model():
-            flare.send(FLModel(params=to_numpy(client.net.state_dict())))
+            flare.send(FLModel(params=on_the_wire(to_numpy(client.net.state_dict()), cfg.transfer)))
+        first_task = False
 
 
 if __name__ == "__main__":

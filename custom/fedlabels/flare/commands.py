@@ -83,6 +83,33 @@ def run_watched(cmd, env, log: Path, timeout=None, poll=1.0) -> int:
             raise
 
 
+# Peak RSS of one simulated site process (torch + MONAI + nvflare imports, a
+# DenseNet121 at 64 px training: benchmarks/results/scale.md) and of the
+# simulator's own processes; they decide how many site processes fit in memory.
+SITE_PROCESS_MIB = 1100
+SERVER_MIB = 1500
+
+
+def available_mib() -> int | None:
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available // 2**20)
+
+
+def default_threads(sites: int, memory_mib: int | None = None, cores: int | None = None) -> int:
+    """Simulator worker processes for ``sites`` sites: one long-lived process per site
+    when they all fit in memory; otherwise as many as there are cores, and the sites
+    take turns (nvflare then starts a process per site task; each site continues its
+    saved state, see fedlabels.flare.client)."""
+    memory_mib = available_mib() if memory_mib is None else memory_mib
+    if memory_mib is None or sites * SITE_PROCESS_MIB + SERVER_MIB <= memory_mib:
+        return sites
+    fit = max(1, (memory_mib - SERVER_MIB) // SITE_PROCESS_MIB)
+    return int(max(1, min(fit, cores or os.cpu_count() or 1, sites)))
+
+
 def simulate(job_dir, workspace, sites: int, data=None, threads=None, log=None, timeout=None,
              retries=1) -> Path:
     """Run ``nvflare simulator`` on a job folder; returns the server's run folder.
@@ -92,16 +119,21 @@ def simulate(job_dir, workspace, sites: int, data=None, threads=None, log=None, 
     A site lost at start-up (``LOST_SITE`` in the log) is retried ``retries``
     times (the simulator empties its workspace when it starts); ``timeout``
     (seconds) bounds each attempt. The simulator's output goes to ``log``
-    (default: ``WORKSPACE.log`` beside the workspace).
+    (default: ``WORKSPACE.log`` beside the workspace). ``threads``: simulator
+    worker processes (nvflare's ``-t``), default ``default_threads(sites)``; with
+    fewer than ``sites``, each process's torch threads are its share of the cores.
     """
     job_dir, workspace = Path(job_dir), Path(workspace)
+    threads = threads or sites
     env = dict(os.environ)
+    if threads < sites:  # the server sizes sites by their number; here fewer run at once
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // threads)))
     if data:
         env["FEDLABELS_DATA"] = str(Path(data).resolve())
     # Site state (for resuming) outside the workspace, which the simulator empties.
     env.setdefault("FEDLABELS_STATE", str((workspace.parent / f"{workspace.name}.state").resolve()))
     cmd = [sys.executable, "-m", "nvflare.cli", "simulator", str(job_dir), "-w", str(workspace),
-           "-n", str(sites), "-t", str(threads or sites)]
+           "-n", str(sites), "-t", str(threads)]
     run_dir = workspace / "server" / "simulate_job"
     log = Path(log) if log else workspace.parent / f"{workspace.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -179,7 +211,7 @@ def _spec(args) -> JobSpec:
     if args.job not in JOBS:
         raise ValueError(f"unknown job {args.job!r}; jobs are {sorted(JOBS)}")
     spec = JOBS[args.job]
-    changes = {"sites": args.sites}
+    changes = {"sites": args.sites, "transfer": args.transfer}
     if args.rounds:
         changes["rounds"] = args.rounds
     if args.resume:
@@ -198,9 +230,14 @@ def cmd_simulate(args):
         shutil.rmtree(prev, ignore_errors=True)
         shutil.move(str(ws), prev)
     log = work / "simulator.log"
-    print(f"running {spec.name} ({spec.method}) for {spec.rounds} rounds on {spec.sites} sites; log: {log}", flush=True)
+    threads = args.threads or default_threads(spec.sites)
+    if not 1 <= threads <= spec.sites:
+        raise ValueError(f"--threads must be between 1 and the number of sites ({spec.sites}), not {threads}")
+    print(f"running {spec.name} ({spec.method}) for {spec.rounds} rounds on {spec.sites} sites in {threads} simulator "
+          f"worker process(es)" + ("" if threads == spec.sites else ", the sites taking turns") + f"; log: {log}",
+          flush=True)
     t0 = time.time()
-    run_dir = simulate(job_dir, ws, spec.sites, data=args.data, log=log)
+    run_dir = simulate(job_dir, ws, spec.sites, data=args.data, threads=threads, log=log)
     print(f"done in {time.time() - t0:.0f}s; outputs in {run_dir}")
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
@@ -297,6 +334,11 @@ def add_parsers(sub):
     s.add_argument("--rounds", type=int)
     s.add_argument("-w", "--workspace", default="runs/simulate")
     s.add_argument("--resume", help="a previous run's server folder (WORKSPACE/previous/server/simulate_job)")
+    s.add_argument("-t", "--threads", type=int,
+                   help="simulator worker processes (nvflare's -t; default: one per site if they fit in memory, "
+                        "else one per core, the sites taking turns)")
+    s.add_argument("--transfer", choices=["float32", "float16"], default="float32",
+                   help="precision of the weights on the wire (float16: nvflare's quantization filters)")
     s.set_defaults(fn=cmd_simulate)
 
     s = sub.add_parser("report", help="test-set per-class table of finished runs' global models")

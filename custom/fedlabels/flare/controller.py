@@ -24,6 +24,7 @@ import io
 import json
 import os
 import time
+import uuid
 
 import numpy as np
 from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
@@ -41,6 +42,7 @@ from ..profile import write_atomic, write_json_atomic
 FATAL = "fatal_error"
 SUMMARY = "label_summary"
 THREADS = "threads"  # torch threads a simulated site should use
+RUN = "run_token"  # names this run: a site's saved state is continued only within its own run
 STATE = "fedlabels_server_state.pt"
 
 
@@ -59,6 +61,9 @@ class FedLabelsController(BaseFedAvg):
         super().__init__(*args, **kwargs)
         self.resume_from = resume_from
         self._resume_sites = set()
+        self._run_token = uuid.uuid4().hex
+        self._transfer = "float32"
+        self._n_sites = self.num_clients
 
     # ---------------------------------------------------------------- helpers
     def _path(self, name):
@@ -110,12 +115,18 @@ class FedLabelsController(BaseFedAvg):
                 return True
         return False
 
+    def _task_meta(self) -> dict:
+        """What every task carries besides the model: with fewer simulator threads than sites,
+        nvflare runs each site task in a new process, which needs both again."""
+        return {THREADS: self._threads_per_site(self._n_sites), RUN: self._run_token}
+
     # ---------------------------------------------------------------- what the engine calls
     def _send(self, step, targets, weights, rnd, extras) -> list:
         resume = sorted(self._resume_sites & set(targets))
         self._resume_sites -= set(targets)
-        data = FLModel(params=weights, params_type=ParamsType.FULL, current_round=rnd, total_rounds=self.num_rounds,
-                       meta={EXTRAS: extras, RESUME: resume})
+        data = FLModel(params=on_the_wire(weights, self._transfer), params_type=ParamsType.FULL, current_round=rnd,
+                       total_rounds=self.num_rounds,
+                       meta={EXTRAS: extras, RESUME: resume, **self._task_meta()})
         results = self.send_model_and_wait(task_name="train", targets=targets, data=data)
         if self.abort_signal.triggered or self._fatal(results):
             raise _Stop()
@@ -147,7 +158,7 @@ class FedLabelsController(BaseFedAvg):
 
     def _handshake(self, clients) -> dict:
         """Every site's label summary, before round 0 (and, simulated, its share of the cores)."""
-        meta = {PHASE: "summary", THREADS: self._threads_per_site(len(clients))}
+        meta = {PHASE: "summary", **self._task_meta()}
         results = self.send_model_and_wait(task_name="train", targets=clients, data=FLModel(params={}, meta=meta))
         if self._fatal(results):
             return None
@@ -167,11 +178,13 @@ class FedLabelsController(BaseFedAvg):
 
     def _run(self) -> None:
         cfg = self._config()
+        self._transfer = cfg.transfer
         server = methods.get(cfg.method).make_server(run_seed=cfg.seed, **cfg.server)
         model = self.load_model()
         if model is None:
             return
         clients = self.sample_clients(self.num_clients)
+        self._n_sites = len(clients)
         summaries = self._handshake(clients)
         if summaries is None:
             return
@@ -254,8 +267,9 @@ class FedLabelsController(BaseFedAvg):
 
     def _cross_site_eval(self, model, key) -> dict:
         """The final global model validated at every site (per-class, label-aware); {site: key metric}."""
-        results = self.send_model_and_wait(task_name="validate", data=FLModel(params=model.params, params_type=ParamsType.FULL,
-                                                                              current_round=self.num_rounds))
+        data = FLModel(params=on_the_wire(model.params, self._transfer), params_type=ParamsType.FULL,
+                       current_round=self.num_rounds, meta=self._task_meta())
+        results = self.send_model_and_wait(task_name="validate", data=data)
         per_site = {r.meta.get("client_name"): r.meta.get("evaluation", r.metrics) for r in results if r.metrics}
         write_json_atomic(self._path("cross_site_eval.json"), per_site)
         scores = {r.meta.get("client_name"): r.metrics[key] for r in results if r.metrics and key in r.metrics}
@@ -281,6 +295,17 @@ class FedLabelsController(BaseFedAvg):
         if record[f"mean_{key}"] is not None:
             tb.add_scalar(f"global/mean_{key}", record[f"mean_{key}"], rnd)
         tb.flush()
+
+
+def on_the_wire(params: dict, transfer: str) -> dict:
+    """The arrays as they are sent. Half precision goes through nvflare's ModelQuantizer
+    filters, which take float arrays only: integer buffers (BatchNorm's
+    num_batches_tracked, unused with a momentum) then stay where they are; the
+    server keeps its global value of a key no update sent, and a site its own.
+    A new dict, so the filter never changes the caller's."""
+    if transfer == "float32":
+        return params
+    return {k: v for k, v in params.items() if np.asarray(v).dtype.kind == "f"}
 
 
 class _Stop(Exception):

@@ -52,13 +52,15 @@ class JobSpec:
     resume_from: str = ""
     external_process: bool = False
     faults: list = field(default_factory=list)  # fault drills, "SITE:KIND:ROUND" (see client.py)
+    transfer: str = "float32"  # "float16": weights quantized both ways by nvflare's filters
 
     def config(self) -> RunConfig:
         return RunConfig(method=self.method, bundle=Path(self.bundle).name, client=dict(self.client),
                          server=dict(self.server), network=dict(self.network),
                          data={"family": self.family, "synth": dict(self.synth), "batch_size": self.batch_size,
                                **({"oracle": True} if self.oracle else {})},
-                         seed=self.seed, key_metric=self.key_metric, min_sites=self.min_sites, faults=list(self.faults))
+                         seed=self.seed, key_metric=self.key_metric, min_sites=self.min_sites, faults=list(self.faults),
+                         transfer=self.transfer)
 
 
 # One job per federated method on the embedded cxr scenario (DenseNet121, 64 px).
@@ -117,6 +119,8 @@ def build_job(spec: JobSpec, workdir) -> FedJob:
         executor = ClientAPIExecutor(execution_mode="in_process", task_script_path=SHIM.name, task_script_args="",
                                      params_exchange_format=ExchangeFormat.NUMPY, server_expected_format=ExchangeFormat.NUMPY)
     job.to_clients(executor, tasks=["*"])
+    if spec.transfer == "float16":
+        add_half_precision_filters(job)
     job.add_file_to_clients(str(SHIM))
     # One configuration file for both sides (the simulator and a POC/production deployment
     # both place it in the app's custom folder).
@@ -124,6 +128,21 @@ def build_job(spec: JobSpec, workdir) -> FedJob:
     job.add_file_to_server(str(config_file))
     job.add_file_to_clients(str(bundle), dest_dir=bundle.name)
     return job
+
+
+def add_half_precision_filters(job: FedJob) -> None:
+    """nvflare's own quantization filters, both directions: the sender quantizes to
+    float16, the receiver restores float32 before any fedlabels code sees the weights."""
+    from nvflare.app_opt.pt.quantization.dequantizer import ModelDequantizer
+    from nvflare.app_opt.pt.quantization.quantizer import ModelQuantizer
+    from nvflare.job_config.defs import FilterType
+
+    # Named tasks: nvflare 2.9 looks filters up by task name, and "*" matches none.
+    tasks = ["train", "validate", "submit_model"]
+    job.to_server(ModelQuantizer(quantization_type="float16"), filter_type=FilterType.TASK_DATA, tasks=tasks)
+    job.to_server(ModelDequantizer(), filter_type=FilterType.TASK_RESULT, tasks=tasks)
+    job.to_clients(ModelDequantizer(), filter_type=FilterType.TASK_DATA, tasks=tasks)
+    job.to_clients(ModelQuantizer(quantization_type="float16"), filter_type=FilterType.TASK_RESULT, tasks=tasks)
 
 
 def export(spec: JobSpec, out_dir) -> Path:
