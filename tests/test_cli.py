@@ -142,3 +142,14 @@ def test_train_bundle_validates_before_monai(scenarios, tmp_path):
     with pytest.raises(ScenarioError, match="field 'label'"):
         train_bundle("cxr_resnet18", scenarios["short"], tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_bad_worker_processes_and_site_count_are_one_line_before_anything_runs(tmp_path):
+    ws, out = tmp_path / "ws", tmp_path / "synth"
+    results = _launch({
+        "threads": ["simulate", "fedavg_cxr", "-n", "2", "-t", "3", "--rounds", "1", "-w", ws],
+        "sites": ["synth", "cxr", "--sites", "0", "--out", out],
+    })
+    assert "--threads must be between 1 and the number of sites (2), not 3" in _one_error_line(results["threads"])
+    assert "--sites must be >= 1, not 0" in _one_error_line(results["sites"])
+    assert not ws.exists() and not out.exists()

@@ -258,6 +258,9 @@ def test_sites_taking_turns_in_fewer_processes_continue_their_state(tmp_path, da
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    # the final cross-site validation (a task in a new process too) scores with each site's own batch norm
+    cross = [json.loads((r / "cross_site_eval.json").read_text()) for r in (turns, straight)]
+    assert cross[0] == cross[1]
 
 
 def test_half_precision_transfer_runs_in_the_simulator(tmp_path, data, job_runs):

@@ -2,6 +2,9 @@
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 from PIL import Image
@@ -155,3 +158,18 @@ def test_default_scenario_is_cached(tmp_path, monkeypatch):
     b = synthetic.default_scenario("lesion", cases=6, test_cases=2)
     assert a == b and len(calls) == 1 and (a / "scenario.yaml").is_file()
     assert json.loads((a / "test/datalist.json").read_text())["testing"]
+
+
+def test_default_scenario_is_generated_once_by_simultaneous_sites(tmp_path):
+    """Simulated sites start together and each asks for the embedded scenario: one
+    generates it under the file lock, the others wait and read it. (A second
+    generation would replace the folder by rename, and scenario.yaml's inode would
+    differ between the processes.)"""
+    code = ("import os; from fedlabels.data.synthetic import default_scenario; "
+            "r = default_scenario('lesion', cases=30, test_cases=10); print(os.stat(r / 'scenario.yaml').st_ino)")
+    env = {**os.environ, "FEDLABELS_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env) for _ in range(4)]
+    inodes = {p.communicate(timeout=300)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(inodes) == 1 and "" not in inodes
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 1

@@ -122,6 +122,12 @@ def main(argv=None, here: Path | None = None):
         if first_task:
             size_threads(meta)
             print(f"[{site}] torch threads: {torch.get_num_threads()}", flush=True)
+            # nvflare's simulator with fewer threads than sites starts a process per task:
+            # continue what this site saved after its last round of this run
+            rnd = model.current_round
+            if (rnd is not None and site not in (meta.get(RESUME) or [])
+                    and load_state(state_path, client, before=rnd, run=meta.get(RUN))):
+                print(f"[{site}] continued its state of this run from {state_path}", flush=True)
         if flare.is_train() and meta.get(PHASE) == "summary":
             flare.send(FLModel(params={}, meta={SUMMARY: setup.summary()}))
         elif flare.is_train():
@@ -129,9 +135,6 @@ def main(argv=None, here: Path | None = None):
             if site in (meta.get(RESUME) or []):
                 load_state(state_path, client, before=rnd)
                 print(f"[{site}] resumed its state from {state_path}", flush=True)
-            elif first_task and load_state(state_path, client, before=rnd, run=meta.get(RUN)):
-                # nvflare's simulator with fewer threads than sites: a new process per task
-                print(f"[{site}] continued its state of this run from {state_path}", flush=True)
             update = train_task(client, setup, model.params, rnd, meta.get(EXTRAS) or {})
             save_state(state_path, client, rnd, run=meta.get(RUN))
             out = {**update.meta, N: update.n, ABSTAIN: update.abstain, REASON: update.reason, EXTRAS: update.extras,

@@ -124,7 +124,7 @@ def simulate(job_dir, workspace, sites: int, data=None, threads=None, log=None, 
     fewer than ``sites``, each process's torch threads are its share of the cores.
     """
     job_dir, workspace = Path(job_dir), Path(workspace)
-    threads = threads or sites
+    threads = threads or default_threads(sites)
     env = dict(os.environ)
     if threads < sites:  # the server sizes sites by their number; here fewer run at once
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // threads)))
@@ -221,6 +221,9 @@ def _spec(args) -> JobSpec:
 
 def cmd_simulate(args):
     spec = _spec(args)
+    threads = args.threads or default_threads(spec.sites)
+    if not 1 <= threads <= spec.sites:  # before anything is exported, moved or run
+        raise ValueError(f"--threads must be between 1 and the number of sites ({spec.sites}), not {threads}")
     work = Path(args.workspace)
     jobs_dir = work / "jobs"
     job_dir = export(spec, jobs_dir)
@@ -230,9 +233,6 @@ def cmd_simulate(args):
         shutil.rmtree(prev, ignore_errors=True)
         shutil.move(str(ws), prev)
     log = work / "simulator.log"
-    threads = args.threads or default_threads(spec.sites)
-    if not 1 <= threads <= spec.sites:
-        raise ValueError(f"--threads must be between 1 and the number of sites ({spec.sites}), not {threads}")
     print(f"running {spec.name} ({spec.method}) for {spec.rounds} rounds on {spec.sites} sites in {threads} simulator "
           f"worker process(es)" + ("" if threads == spec.sites else ", the sites taking turns") + f"; log: {log}",
           flush=True)

@@ -174,8 +174,11 @@ def run_cli(spec: JobSpec, argv=None) -> None:
     where.add_argument("--prod", metavar="STARTUP_KIT", help="submit to a provisioned project with this admin startup kit")
     p.add_argument("-n", "--sites", type=int, default=spec.sites)
     p.add_argument("--rounds", type=int, default=spec.rounds)
+    p.add_argument("-t", "--threads", type=int, help="--sim: worker processes (default: as `fedlabels simulate`)")
+    p.add_argument("--transfer", choices=["float32", "float16"], default=spec.transfer,
+                   help="precision of the weights on the wire")
     args = p.parse_args(argv)
-    spec = dataclasses.replace(spec, sites=args.sites, rounds=args.rounds)
+    spec = dataclasses.replace(spec, sites=args.sites, rounds=args.rounds, transfer=args.transfer)
     if args.export:
         print(export(spec, args.export))
         return
@@ -187,7 +190,9 @@ def run_cli(spec: JobSpec, argv=None) -> None:
             super().__init__(build_job(spec, workdir))
 
     if args.sim:
-        env = SimEnv(num_clients=args.sites, workspace_root=args.sim)
+        from .commands import default_threads
+
+        env = SimEnv(num_clients=args.sites, num_threads=args.threads or default_threads(args.sites), workspace_root=args.sim)
     elif args.poc:
         env = PocEnv(num_clients=args.sites)
     else:
