@@ -83,28 +83,23 @@ def run_watched(cmd, env, log: Path, timeout=None, poll=1.0) -> int:
             raise
 
 
-# Peak RSS of one simulated site process (torch + MONAI + nvflare imports, a
-# DenseNet121 at 64 px training: benchmarks/results/scale.md) and of the
-# simulator's own processes; they decide how many site processes fit in memory.
+# Memory of one simulated site process and of the simulator's own processes. Measured
+# (benchmarks/results/scale.md, DenseNet121 at 64 px): a site peaks at 0.83-0.93 GiB,
+# 0.45 of it torch + MONAI + nvflare imports; the simulator's processes at 1.1-2.5 GiB
+# for 4-16 sites. Rounded up: they decide how many site processes fit in memory.
 SITE_PROCESS_MIB = 1100
 SERVER_MIB = 1500
 
 
-def available_mib() -> int | None:
-    try:
-        import psutil
-    except ImportError:
-        return None
-    return int(psutil.virtual_memory().available // 2**20)
-
-
 def default_threads(sites: int, memory_mib: int | None = None, cores: int | None = None) -> int:
     """Simulator worker processes for ``sites`` sites: one long-lived process per site
-    when they all fit in memory; otherwise as many as there are cores, and the sites
-    take turns (nvflare then starts a process per site task; each site continues its
-    saved state, see fedlabels.flare.client)."""
-    memory_mib = available_mib() if memory_mib is None else memory_mib
-    if memory_mib is None or sites * SITE_PROCESS_MIB + SERVER_MIB <= memory_mib:
+    when they all fit in the available memory; otherwise as many as there are cores,
+    and the sites take turns (nvflare then starts a process per site task; each site
+    continues its saved state, see fedlabels.flare.client)."""
+    import psutil
+
+    memory_mib = psutil.virtual_memory().available // 2**20 if memory_mib is None else memory_mib
+    if sites * SITE_PROCESS_MIB + SERVER_MIB <= memory_mib:
         return sites
     fit = max(1, (memory_mib - SERVER_MIB) // SITE_PROCESS_MIB)
     return int(max(1, min(fit, cores or os.cpu_count() or 1, sites)))
