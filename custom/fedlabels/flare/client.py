@@ -125,8 +125,8 @@ def main(argv=None, here: Path | None = None):
             # nvflare's simulator with fewer threads than sites starts a process per task:
             # continue what this site saved after its last round of this run
             rnd = model.current_round
-            if (rnd is not None and site not in (meta.get(RESUME) or [])
-                    and load_state(state_path, client, before=rnd, run=meta.get(RUN))):
+            if (meta.get(RUN) and rnd is not None and site not in (meta.get(RESUME) or [])
+                    and load_state(state_path, client, before=rnd, run=meta[RUN])):
                 print(f"[{site}] continued its state of this run from {state_path}", flush=True)
         if flare.is_train() and meta.get(PHASE) == "summary":
             flare.send(FLModel(params={}, meta={SUMMARY: setup.summary()}))

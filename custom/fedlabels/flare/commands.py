@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..config import TRANSFERS
 from ..profile import load_scenario, write_json_atomic
 from .job import JOBS, REPO, JobSpec, export
 
@@ -332,7 +333,7 @@ def add_parsers(sub):
     s.add_argument("-t", "--threads", type=int,
                    help="simulator worker processes (nvflare's -t; default: one per site if they fit in memory, "
                         "else one per core, the sites taking turns)")
-    s.add_argument("--transfer", choices=["float32", "float16"], default="float32",
+    s.add_argument("--transfer", choices=TRANSFERS, default="float32",
                    help="precision of the weights on the wire (float16: nvflare's quantization filters)")
     s.set_defaults(fn=cmd_simulate)
 

@@ -63,7 +63,6 @@ class FedLabelsController(BaseFedAvg):
         self._resume_sites = set()
         self._run_token = uuid.uuid4().hex
         self._transfer = "float32"
-        self._n_sites = self.num_clients
 
     # ---------------------------------------------------------------- helpers
     def _path(self, name):
@@ -118,7 +117,7 @@ class FedLabelsController(BaseFedAvg):
     def _task_meta(self) -> dict:
         """What every task carries besides the model: with fewer simulator threads than sites,
         nvflare runs each site task in a new process, which needs both again."""
-        return {THREADS: self._threads_per_site(self._n_sites), RUN: self._run_token}
+        return {THREADS: self._threads_per_site(self.num_clients), RUN: self._run_token}
 
     # ---------------------------------------------------------------- what the engine calls
     def _send(self, step, targets, weights, rnd, extras) -> list:
@@ -184,7 +183,6 @@ class FedLabelsController(BaseFedAvg):
         if model is None:
             return
         clients = self.sample_clients(self.num_clients)
-        self._n_sites = len(clients)
         summaries = self._handshake(clients)
         if summaries is None:
             return

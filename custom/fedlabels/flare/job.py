@@ -22,7 +22,7 @@ from nvflare.app_opt.pt.job_config.model import PTModel
 from nvflare.client.config import ExchangeFormat
 from nvflare.job_config.api import FedJob
 
-from ..config import FILE, RunConfig
+from ..config import FILE, TRANSFERS, RunConfig
 from ..bundle import bundle_path, network
 from .controller import FedLabelsController
 
@@ -175,7 +175,7 @@ def run_cli(spec: JobSpec, argv=None) -> None:
     p.add_argument("-n", "--sites", type=int, default=spec.sites)
     p.add_argument("--rounds", type=int, default=spec.rounds)
     p.add_argument("-t", "--threads", type=int, help="--sim: worker processes (default: as `fedlabels simulate`)")
-    p.add_argument("--transfer", choices=["float32", "float16"], default=spec.transfer,
+    p.add_argument("--transfer", choices=TRANSFERS, default=spec.transfer,
                    help="precision of the weights on the wire")
     args = p.parse_args(argv)
     spec = dataclasses.replace(spec, sites=args.sites, rounds=args.rounds, transfer=args.transfer)
