@@ -57,7 +57,8 @@ def cmd_synth(args):
 def cmd_validate(args):
     from .profile import format_summary, load_scenario
 
-    sc = load_scenario(args.data)
+    # A hospital's folder holds only its own site: --site validates that one (and no test split).
+    sc = load_scenario(args.data, sites=[args.site] if args.site else None, with_test=not args.site)
     _say(f"{sc.name}: {sc.task}, {len(sc.classes)} classes, {len(sc.sites)} sites, "
          f"{len(sc.test or [])} test cases")
     _say(format_summary(sc))
@@ -132,6 +133,7 @@ def build_parser(flare: bool = True) -> argparse.ArgumentParser:
 
     s = sub.add_parser("validate", help="validate a scenario folder and print its label table")
     s.add_argument("data")
+    s.add_argument("--site", help="validate only this site's folder (what one hospital holds)")
     s.set_defaults(fn=cmd_validate)
 
     from .data import prepare

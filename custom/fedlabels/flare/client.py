@@ -32,7 +32,7 @@ from ..config import FILE, RunConfig
 from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, REASON, RESUME, to_numpy
 from ..profile import ScenarioError
 from ..site import flat_metrics, load_state, save_state, setup_site, train_task, validate_task
-from .controller import FATAL, RUN, SUMMARY, THREADS, on_the_wire
+from .controller import FATAL, RUN, SUMMARY, THREADS, VERSIONS, on_the_wire, versions
 
 
 def build_parser():
@@ -129,7 +129,7 @@ def main(argv=None, here: Path | None = None):
                     and load_state(state_path, client, before=rnd, run=meta[RUN])):
                 print(f"[{site}] continued its state of this run from {state_path}", flush=True)
         if flare.is_train() and meta.get(PHASE) == "summary":
-            flare.send(FLModel(params={}, meta={SUMMARY: setup.summary()}))
+            flare.send(FLModel(params={}, meta={SUMMARY: setup.summary(), VERSIONS: versions()}))
         elif flare.is_train():
             rnd = model.current_round
             if site in (meta.get(RESUME) or []):

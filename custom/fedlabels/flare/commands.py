@@ -203,6 +203,17 @@ def cmd_jobs(args):
         print(f"wrote {folder}")
 
 
+def cmd_provision(args):
+    from .provision import provision
+
+    sites = [s.strip() for s in args.sites.split(",") if s.strip()]
+    kits = provision(args.out, args.project, args.server, sites, args.admin, args.fl_port, args.admin_port)
+    for name, kit in kits.items():
+        print(f"{name:<24} {kit}")
+    print("give each participant its own folder; each installs its startup/requirements.txt "
+          "and runs startup/start.sh (docs/deployment.md)")
+
+
 def _spec(args) -> JobSpec:
     if args.job not in JOBS:
         raise ValueError(f"unknown job {args.job!r}; jobs are {sorted(JOBS)}")
@@ -336,6 +347,16 @@ def add_parsers(sub):
     s.add_argument("--transfer", choices=TRANSFERS, default="float32",
                    help="precision of the weights on the wire (float16: nvflare's quantization filters)")
     s.set_defaults(fn=cmd_simulate)
+
+    s = sub.add_parser("provision", help="provision a real federation: one TLS startup kit per participant")
+    s.add_argument("--project", required=True, help="project name")
+    s.add_argument("--server", required=True, help="the server's host name, as the hospitals reach it")
+    s.add_argument("--sites", required=True, help="comma-separated hospital (client) names, e.g. hospital-a,hospital-b")
+    s.add_argument("--admin", required=True, help="the project admin's e-mail (the admin kit's user)")
+    s.add_argument("--out", required=True, help="provisioning workspace (kits in OUT/PROJECT/prod_NN)")
+    s.add_argument("--fl-port", type=int, default=8002, help="the server's port for the sites")
+    s.add_argument("--admin-port", type=int, default=8003, help="the server's port for the admin")
+    s.set_defaults(fn=cmd_provision)
 
     s = sub.add_parser("report", help="test-set per-class table of finished runs' global models")
     s.add_argument("runs", nargs="+", help="NAME=RUN_DIR (a server run folder: WS/server/simulate_job)")

@@ -44,6 +44,14 @@ SUMMARY = "label_summary"
 THREADS = "threads"  # torch threads a simulated site should use
 RUN = "run_token"  # names this run: a site's saved state is continued only within its own run
 STATE = "fedlabels_server_state.pt"
+VERSIONS = "versions"  # the packages a site runs; the server refuses a mismatch before round 0
+
+
+def versions() -> dict:
+    """The versions of the packages a site and the server must share (those a provisioned kit pins)."""
+    from .provision import PINNED, installed
+
+    return {name: installed(name) for name in PINNED}
 
 
 class FedLabelsController(BaseFedAvg):
@@ -126,7 +134,7 @@ class FedLabelsController(BaseFedAvg):
         data = FLModel(params=on_the_wire(weights, self._transfer), params_type=ParamsType.FULL, current_round=rnd,
                        total_rounds=self.num_rounds,
                        meta={EXTRAS: extras, RESUME: resume, **self._task_meta()})
-        results = self.send_model_and_wait(task_name="train", targets=targets, data=data)
+        results = self.send_model_and_wait(task_name="train", targets=self._connected(targets), data=data)
         if self.abort_signal.triggered or self._fatal(results):
             raise _Stop()
         updates = []
@@ -166,7 +174,23 @@ class FedLabelsController(BaseFedAvg):
         if missing:
             self.panic(f"no label summary from {missing}: the site failed at start-up")
             return None
+        ours = versions()
+        for r in results:
+            theirs = r.meta.get(VERSIONS) or {}
+            differ = {k: theirs.get(k) for k in ours if theirs.get(k) != ours[k]}
+            if differ:
+                self.panic(f"{r.meta['client_name']} runs {differ}, the server {ours}: install the startup kit's "
+                           "requirements.txt at every site")
+                return None
         return summaries
+
+    def _connected(self, targets) -> list:
+        """The targets nvflare has not declared dead: a site lost mid-run (killed, network down)
+        is left out of later tasks instead of each task waiting for the dead-client check again."""
+        gone = sorted(t for t in targets if self.get_client_disconnect_time(t))
+        if gone:
+            self.warning(f"{gone} not connected: left out of this task")
+        return [t for t in targets if t not in gone]
 
     # ---------------------------------------------------------------- flow
     def run(self) -> None:

@@ -104,7 +104,9 @@ def build_job(spec: JobSpec, workdir) -> FedJob:
     config_file = cfg.save(Path(workdir) / FILE)
     bundle = bundle_path(spec.bundle)
     net = network(bundle, spec.network)  # the server's persistor
-    job = FedJob(name=spec.name, min_clients=spec.sites)
+    # nvflare starts the job once min_sites sites are connected and aborts it when fewer stay
+    # alive: the same floor a round needs (a lost hospital does not end a run that can go on).
+    job = FedJob(name=spec.name, min_clients=spec.min_sites)
     # fedlabels is pip-installed at every site and server: reference it, don't copy it.
     job.set_app_packages(["fedlabels"])
     job.to_server(FedLabelsController(num_clients=spec.sites, num_rounds=spec.rounds, resume_from=spec.resume_from),
@@ -177,8 +179,15 @@ def run_cli(spec: JobSpec, argv=None) -> None:
     p.add_argument("-t", "--threads", type=int, help="--sim: worker processes (default: as `fedlabels simulate`)")
     p.add_argument("--transfer", choices=TRANSFERS, default=spec.transfer,
                    help="precision of the weights on the wire")
+    p.add_argument("--min-sites", type=int, default=spec.min_sites,
+                   help="fewest sites a round needs; the job waits for this many and goes on while they stay")
+    p.add_argument("--resume-from", default=spec.resume_from,
+                   help="a previous run's server folder (on the server's machine): continue from its last round")
     args = p.parse_args(argv)
-    spec = dataclasses.replace(spec, sites=args.sites, rounds=args.rounds, transfer=args.transfer)
+    if not 1 <= args.min_sites <= args.sites:
+        p.error(f"--min-sites {args.min_sites}: must be between 1 and the number of sites ({args.sites})")
+    spec = dataclasses.replace(spec, sites=args.sites, rounds=args.rounds, transfer=args.transfer,
+                               min_sites=args.min_sites, resume_from=args.resume_from)
     if args.export:
         print(export(spec, args.export))
         return
@@ -196,7 +205,19 @@ def run_cli(spec: JobSpec, argv=None) -> None:
     elif args.poc:
         env = PocEnv(num_clients=args.sites)
     else:
-        env = ProdEnv(startup_kit_location=args.prod)
+        env = ProdEnv(startup_kit_location=args.prod, username=admin_user(args.prod))
     run = FedLabelsRecipe().execute(env)
     if run is not None:
-        print(f"job {run.get_job_id()}: {run.get_status()}; results: {run.get_result()}")
+        result = run.get_result()  # waits for the job, then downloads its server workspace
+        print(f"job {run.get_job_id()}: {run.get_status()}; results: {result}")
+
+
+def admin_user(kit) -> str:
+    """The admin user a provisioned admin startup kit logs in as."""
+    import json
+
+    path = Path(kit) / "startup" / "fed_admin.json"
+    try:
+        return json.loads(path.read_text())["admin"]["username"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"{path}: not an admin startup kit ({e})")

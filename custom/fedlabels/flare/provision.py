@@ -1,0 +1,118 @@
+"""Provision a real federation: one signed startup kit per participant.
+
+``fedlabels provision`` writes an nvflare ``project.yml`` (mutual TLS, the
+provisioned default) and runs ``nvflare provision`` on it. Besides nvflare's
+own builders, ``PackageBuilder`` writes ``startup/requirements.txt`` into every
+kit: the exact fedlabels, nvflare, MONAI and torch versions every participant
+installs. The server also checks them at run time: every site reports its
+versions before round 0 and a mismatch stops the job (``controller.py``).
+Deployment guide: ``docs/deployment.md``.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import yaml
+from nvflare.apis.utils.format_check import name_check
+from nvflare.lighter.spec import Builder
+
+from ..profile import write_atomic
+
+PINNED = ("fedlabels", "nvflare", "monai", "torch")
+REQUIREMENTS = "requirements.txt"
+
+
+class ProvisionError(ValueError):
+    """A provisioning argument is invalid; the message names it."""
+
+
+def installed(name: str) -> str | None:
+    """The installed version without a local build tag (torch's '+cpu')."""
+    try:
+        return version(name).split("+")[0]
+    except PackageNotFoundError:
+        return None
+
+
+def requirements() -> str:
+    missing = [name for name in PINNED if installed(name) is None]
+    if missing:
+        raise ProvisionError(f"{missing} not installed here; provision from the environment the federation uses")
+    return "".join(f"{name}=={installed(name)}\n" for name in PINNED)
+
+
+class PackageBuilder(Builder):
+    """Writes the pinned package list into every participant's startup folder."""
+
+    def build(self, project, ctx):
+        text = requirements()
+        for participant in project.get_all_participants():
+            (Path(ctx.get_kit_dir(participant)) / REQUIREMENTS).write_text(text)
+
+
+def _check(value: str, kind: str, option: str) -> str:
+    bad, reason = name_check(value, kind)
+    if bad:
+        raise ProvisionError(f"{option} {value!r}: {reason}")
+    return value
+
+
+def project(name: str, server: str, sites: list, admin: str, fl_port: int = 8002, admin_port: int = 8003,
+            org: str = "fedlabels") -> dict:
+    """The nvflare project description (api_version 3), every name checked with nvflare's own rules."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", name or ""):
+        raise ProvisionError(f"--project {name!r}: use letters, digits, '-' and '_'")
+    _check(server, "server", "--server")
+    if not sites:
+        raise ProvisionError("--sites: name at least one hospital")
+    if len(set(sites)) != len(sites):
+        raise ProvisionError(f"--sites: {sorted({s for s in sites if sites.count(s) > 1})} named twice")
+    for site in sites:
+        _check(site, "client", "--sites")
+    _check(admin, "admin", "--admin")
+    for option, port in (("--fl-port", fl_port), ("--admin-port", admin_port)):
+        if not 0 < port < 65536:
+            raise ProvisionError(f"{option} {port}: not a TCP port")
+    if fl_port == admin_port:
+        raise ProvisionError(f"--fl-port and --admin-port are both {fl_port}")
+    participants = [{"name": server, "type": "server", "org": org, "fed_learn_port": fl_port, "admin_port": admin_port}]
+    # Each hospital is its own organisation (nvflare's authorization is by org).
+    participants += [{"name": site, "type": "client", "org": re.sub(r"\W", "_", site)} for site in sites]
+    participants.append({"name": admin, "type": "admin", "org": org, "role": "project_admin"})
+    return {
+        "api_version": 3,
+        "name": name,
+        "description": "fedlabels federation",
+        "participants": participants,
+        "builders": [
+            {"path": "nvflare.lighter.impl.workspace.WorkspaceBuilder"},
+            {"path": "nvflare.lighter.impl.static_file.StaticFileBuilder", "args": {"config_folder": "config"}},
+            {"path": "nvflare.lighter.impl.cert.CertBuilder"},
+            {"path": f"{PackageBuilder.__module__}.{PackageBuilder.__name__}"},
+            {"path": "nvflare.lighter.impl.signature.SignatureBuilder"},
+        ],
+    }
+
+
+def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int = 8002,
+              admin_port: int = 8003) -> dict:
+    """Write ``out/project.yml`` and run ``nvflare provision``; {participant: startup kit folder}.
+
+    Provisioning again into the same ``out`` keeps the root CA (nvflare's state
+    folder) and writes the next ``prod_NN``."""
+    out = Path(out)
+    spec = project(name, server, sites, admin, fl_port, admin_port)
+    out.mkdir(parents=True, exist_ok=True)
+    project_file = out / "project.yml"
+    write_atomic(project_file, yaml.safe_dump(spec, sort_keys=False).encode())
+    cmd = [sys.executable, "-m", "nvflare.cli", "provision", "-p", str(project_file), "-w", str(out), "--force"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvflare provision failed ({project_file}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    prod = sorted((out / name).glob("prod_*"), key=lambda p: int(p.name.split("_")[1]))[-1]
+    return {p["name"]: prod / p["name"] for p in spec["participants"]}

@@ -1,0 +1,206 @@
+"""A real provisioned federation on loopback: TLS kits, separate processes, separate data.
+
+``fedlabels provision`` makes a server, two hospital and one admin kit; each
+participant starts from its kit (``startup/start.sh``) as its own process
+tree, each hospital with its own scenario folder in ``FEDLABELS_DATA``
+(holding only its own site). Jobs are submitted the way an admin does it,
+``python nvflare_jobs/<job>/job.py --prod ADMIN_KIT`` (nvflare's ProdEnv
+through the admin API). The tests run in file order on one federation:
+a job and its exported model; malformed data at one hospital; a hospital
+killed mid-round; the server killed mid-job and the job resumed.
+
+Two deployment settings are shortened so that the fault tests take seconds,
+not the 10 minutes of nvflare's defaults: the server's heartbeat timeout
+(``local/resources.json``) and the grace before a silent site is declared
+dead (``NVFLARE_DEAD_CLIENT_GRACE_PERIOD``, ``..._CHECK_LEAD_TIME``).
+docs/deployment.md says where an IT team sets them.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fedlabels.data.synthetic import generate
+from fedlabels.flare.local_federation import (Participant, free_ports, kit_processes, set_heartbeat_timeout,
+                                              wait_for_sites)
+from fedlabels.flare.provision import PINNED, installed
+
+FEDLABELS = str(Path(sys.executable).with_name("fedlabels"))  # the installed console script
+REPO = Path(__file__).resolve().parents[1]
+JOB = REPO / "nvflare_jobs" / "fedavg_cxr" / "job.py"
+SITES = ("site-1", "site-2")
+ADMIN = "admin@fedlabels.org"
+SERVER_ENV = {"NVFLARE_DEAD_CLIENT_GRACE_PERIOD": "2", "NVFLARE_DEAD_CLIENT_CHECK_LEAD_TIME": "2"}
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("loopback")
+    full = generate("cxr", tmp / "full", seed=0, cases=16, test_cases=12, sites=2)
+    data = {}
+    for site in SITES:  # each hospital holds only its own folder
+        data[site] = tmp / "data" / site
+        data[site].mkdir(parents=True)
+        shutil.copy(full / "scenario.yaml", data[site])
+        shutil.copytree(full / site, data[site] / site)
+    fl_port, admin_port = free_ports(2)
+    out = subprocess.run([FEDLABELS, "provision", "--project", "loop", "--server", "localhost",
+                          "--sites", ",".join(SITES), "--admin", ADMIN, "--out", str(tmp / "prov"),
+                          "--fl-port", str(fl_port), "--admin-port", str(admin_port)],
+                         capture_output=True, text=True, check=True).stdout
+    kits = {line.split()[0]: Path(line.split()[1]) for line in out.splitlines() if len(line.split()) == 2}
+    set_heartbeat_timeout(kits["localhost"], 10)
+    server = Participant(kits["localhost"], env=SERVER_ENV).start()
+    sites = {s: Participant(kits[s], env={"FEDLABELS_DATA": str(data[s]), "OMP_NUM_THREADS": "1"}).start()
+             for s in SITES}
+    fed = {"tmp": tmp, "kits": kits, "data": data, "full": full, "server": server, "sites": sites,
+           "admin": kits[ADMIN]}
+    try:
+        wait_for_sites(kits[ADMIN], SITES)
+        yield fed
+    finally:
+        for p in [fed["server"], *sites.values()]:
+            p.stop()
+        left = [p.pid for kit in kits.values() for p in kit_processes(kit)]
+        assert not left, f"processes left behind: {left}"
+
+
+def submit(fed, *args, wait=True):
+    cmd = [sys.executable, str(JOB), "--prod", str(fed["admin"]), "-n", "2", *args]
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    return _result(out.stdout + out.stderr)
+
+
+def _result(text):
+    lines = [line for line in text.splitlines() if line.startswith("job ") and "results:" in line]
+    assert lines, text[-3000:]
+    job_id = lines[-1].split()[1].rstrip(":")
+    status = lines[-1].split()[2].rstrip(";")
+    return job_id, status, Path(lines[-1].split("results: ")[1].strip())
+
+
+def wait_for_round(server_kit, next_round, since, proc, timeout=120) -> Path:
+    """The server run's progress.json once rounds before ``next_round`` are aggregated."""
+    while True:
+        for p in server_kit.glob("*/progress.json"):
+            if p.stat().st_mtime > since and json.loads(p.read_text())["next_round"] >= next_round:
+                return p
+        assert proc.poll() is None and time.time() - since < timeout, f"round {next_round - 1} never finished"
+        time.sleep(0.2)
+
+
+def site_log(fed, site, job_id) -> str:
+    return (fed["kits"][site] / job_id / "log.txt").read_text()
+
+
+def test_provisioned_kits_use_mutual_tls_and_pin_the_packages(fed):
+    kits = fed["kits"]
+    server = json.loads((kits["localhost"] / "startup" / "fed_server.json").read_text())
+    assert server["servers"][0]["connection_security"] == "mtls"
+    for site in SITES:
+        client = json.loads((kits[site] / "startup" / "fed_client.json").read_text())
+        assert client["client"]["connection_security"] == "mtls"
+        for name in ("client.crt", "client.key", "rootCA.pem"):
+            assert (kits[site] / "startup" / name).is_file()
+        pins = (kits[site] / "startup" / "requirements.txt").read_text().split()
+        assert pins == [f"{name}=={installed(name)}" for name in PINNED]
+
+
+def test_a_job_runs_on_the_loopback_federation_and_its_model_serves(fed, tmp_path):
+    job_id, status, result = submit(fed, "--rounds", "2")
+    assert status == "FINISHED:COMPLETED"
+    rounds = [json.loads(line) for line in (result / "workspace" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [0, 1]
+    assert all(sorted(r["sites"]) == list(SITES) for r in rounds)
+    # each hospital trained on its own folder: its own cases and label set
+    for site in SITES:
+        own = json.loads((fed["data"][site] / site / "datalist.json").read_text())["training"]
+        assert f"[{site}] fedavg on synthetic-cxr: {len(own)} training cases" in site_log(fed, site, job_id)
+    assert sorted(json.loads((result / "workspace" / "cross_site_eval.json").read_text())) == list(SITES)
+
+    model = result / "workspace" / "app_server" / "FL_global_model.pt"
+    subprocess.run([FEDLABELS, "export", "--bundle", "cxr_densenet121", "--ckpt", str(model),
+                    "--out", str(tmp_path / "bundle")], check=True, capture_output=True)
+    images = tmp_path / "images"
+    images.mkdir()
+    for f in sorted((fed["full"] / "test" / "images").glob("*.png"))[:2]:
+        shutil.copy(f, images)
+    bundle = tmp_path / "bundle"
+    subprocess.run([sys.executable, "-m", "monai.bundle", "run", "--config_file", str(bundle / "configs" / "inference.json"),
+                    "--meta_file", str(bundle / "configs" / "metadata.json"), "--bundle_root", str(bundle),
+                    "--dataset_dir", str(images), "--output_dir", str(tmp_path / "out")],
+                   check=True, capture_output=True)
+    rows = list(csv.reader(open(tmp_path / "out" / "predictions.csv")))
+    assert [Path(r[0]).name for r in rows[1:]] == sorted(p.name for p in images.iterdir())
+    probs = np.array([[float(v) for v in r[1:]] for r in rows[1:]])
+    assert probs.shape == (2, 6) and ((probs > 0) & (probs < 1)).all()
+
+
+def test_a_hospital_with_malformed_data_stops_the_job_before_round_0(fed):
+    datalist = fed["data"]["site-2"] / "site-2" / "datalist.json"
+    good = datalist.read_text()
+    datalist.write_text(good.replace('"label"', '"labels"', 1))
+    try:
+        job_id, status, result = submit(fed, "--rounds", "2")
+    finally:
+        datalist.write_text(good)
+    assert status != "FINISHED:COMPLETED"
+    log = (result / "workspace" / "log.txt").read_text()
+    # the hospital's own message reaches the admin's download, naming the file and the field
+    assert "site-2: " in log and str(datalist) in log and "label" in log
+    assert not (result / "workspace" / "metrics.jsonl").exists()  # no round ran
+
+
+def test_a_killed_hospital_is_left_out_and_the_job_finishes(fed):
+    t0 = time.time()
+    proc = submit(fed, "--rounds", "3", wait=False)
+    try:
+        # round 0 aggregated from both: site-2 is now receiving or training round 1
+        wait_for_round(fed["kits"]["localhost"], 1, t0, proc)
+        fed["sites"]["site-2"].stop()  # SIGKILL to the whole hospital: no goodbye to the server
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+        fed["sites"]["site-2"].start()
+    job_id, status, result = _result(out)
+    assert status == "FINISHED:COMPLETED"
+    rounds = [json.loads(line) for line in (result / "workspace" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    assert sorted(rounds[0]["sites"]) == list(SITES)
+    assert list(rounds[-1]["sites"]) == ["site-1"]  # the round went on with the hospital that stayed
+    wait_for_sites(fed["admin"], SITES)
+
+
+def test_a_restarted_server_resumes_the_job_from_its_last_global_model(fed):
+    t0 = time.time()
+    proc = submit(fed, "--rounds", "3", wait=False)
+    server_kit = fed["kits"]["localhost"]
+    try:
+        progress = wait_for_round(server_kit, 1, t0, proc)
+        fed["server"].stop()
+    finally:
+        proc.kill()
+        proc.communicate()
+    run_dir = progress.parent
+    next_round = json.loads(progress.read_text())["next_round"]
+    fed["server"] = Participant(server_kit, env=SERVER_ENV).start()
+    wait_for_sites(fed["admin"], SITES)
+    job_id, status, result = submit(fed, "--rounds", "3", "--resume-from", str(run_dir))
+    assert status == "FINISHED:COMPLETED"
+    rounds = [json.loads(line)["round"] for line in (result / "workspace" / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == list(range(next_round, 3))
+    assert f"resuming from {run_dir}: round {next_round}" in (result / "workspace" / "log.txt").read_text()
+    for site in SITES:
+        assert f"[{site}] resumed its state" in site_log(fed, site, job_id)
