@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from fedlabels.data.synthetic import generate
@@ -53,6 +55,9 @@ def fed(tmp_path_factory):
         data[site].mkdir(parents=True)
         shutil.copy(full / "scenario.yaml", data[site])
         shutil.copytree(full / site, data[site] / site)
+        checked = subprocess.run([FEDLABELS, "validate", str(data[site]), "--site", site], capture_output=True,
+                                 text=True, check=True).stdout
+        assert site in checked
     fl_port, admin_port = free_ports(2)
     out = subprocess.run([FEDLABELS, "provision", "--project", "loop", "--server", "localhost",
                           "--sites", ",".join(SITES), "--admin", ADMIN, "--out", str(tmp / "prov"),
@@ -91,6 +96,13 @@ def _result(text):
     return job_id, status, Path(lines[-1].split("results: ")[1].strip())
 
 
+def nvflare(*args, check=True) -> str:
+    out = subprocess.run([str(Path(sys.executable).with_name("nvflare")), *args], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0 or not check, f"nvflare {' '.join(args)}: {out.stdout[-2000:]}{out.stderr[-2000:]}"
+    return out.stdout + out.stderr
+
+
 def wait_for_round(server_kit, next_round, since, proc, timeout=120) -> Path:
     """The server run's progress.json once rounds before ``next_round`` are aggregated."""
     while True:
@@ -119,6 +131,7 @@ def test_provisioned_kits_use_mutual_tls_and_pin_the_packages(fed):
 
 
 def test_a_job_runs_on_the_loopback_federation_and_its_model_serves(fed, tmp_path):
+    t0 = time.time()
     job_id, status, result = submit(fed, "--rounds", "2")
     assert status == "FINISHED:COMPLETED"
     rounds = [json.loads(line) for line in (result / "workspace" / "metrics.jsonl").read_text().splitlines()]
@@ -131,6 +144,19 @@ def test_a_job_runs_on_the_loopback_federation_and_its_model_serves(fed, tmp_pat
     assert sorted(json.loads((result / "workspace" / "cross_site_eval.json").read_text())) == list(SITES)
 
     model = result / "workspace" / "app_server" / "FL_global_model.pt"
+    # each hospital's audit record: what it sent, task by task
+    state = torch.load(model, weights_only=False)["model"]
+    for site in SITES:
+        lines = (fed["kits"][site] / "fedlabels_sent" / f"{site}.jsonl").read_text().splitlines()
+        sent = [e for e in map(json.loads, lines) if e["time"] > t0]
+        assert [e["task"] for e in sent] == ["summary", "train", "train", "validate"]
+        assert "weights" in sent[0] and not sent[0]["weights"]  # the handshake: label summary and versions only
+        assert set(sent[0]["meta"]) == {"label_summary", "versions"}
+        for e in sent[1:3]:
+            assert {k: v["shape"] for k, v in e["weights"].items()} == {k: list(v.shape) for k, v in state.items()}
+            assert e["array_bytes"] == sum(np.asarray(v).nbytes for v in state.values())
+            assert e["meta"]["n"] == len(json.loads((fed["data"][site] / site / "datalist.json").read_text())["training"])
+        assert sent[3]["weights"] == {}  # validation sends metrics only
     subprocess.run([FEDLABELS, "export", "--bundle", "cxr_densenet121", "--ckpt", str(model),
                     "--out", str(tmp_path / "bundle")], check=True, capture_output=True)
     images = tmp_path / "images"
@@ -152,15 +178,22 @@ def test_a_hospital_with_malformed_data_stops_the_job_before_round_0(fed):
     datalist = fed["data"]["site-2"] / "site-2" / "datalist.json"
     good = datalist.read_text()
     datalist.write_text(good.replace('"label"', '"labels"', 1))
+    kit = ["--startup-kit", str(fed["admin"])]
     try:
-        job_id, status, result = submit(fed, "--rounds", "2")
+        # the committed job folder through nvflare's own admin CLI (docs/deployment.md, "Submit")
+        out = nvflare("job", "submit", "-j", str(JOB.parent), *kit)
+        job_id = re.search(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", out).group(0)
+        nvflare("job", "wait", job_id, "--timeout", "180", *kit, check=False)
+        status = nvflare("job", "meta", job_id, *kit)
+        nvflare("job", "download", job_id, "-o", str(fed["tmp"] / "bad"), *kit)
     finally:
         datalist.write_text(good)
-    assert status != "FINISHED:COMPLETED"
-    log = (result / "workspace" / "log.txt").read_text()
+    assert "FINISHED:COMPLETED" not in status and "FINISHED" in status, status
+    result = fed["tmp"] / "bad"
+    log = next(result.rglob("workspace/log.txt")).read_text()
     # the hospital's own message reaches the admin's download, naming the file and the field
     assert "site-2: " in log and str(datalist) in log and "label" in log
-    assert not (result / "workspace" / "metrics.jsonl").exists()  # no round ran
+    assert not list(result.rglob("metrics.jsonl"))  # no round ran
 
 
 def test_a_killed_hospital_is_left_out_and_the_job_finishes(fed):

@@ -128,8 +128,19 @@ def build_job(spec: JobSpec, workdir) -> FedJob:
     # both place it in the app's custom folder).
     job.add_file_to_clients(str(config_file))
     job.add_file_to_server(str(config_file))
-    job.add_file_to_clients(str(bundle), dest_dir=bundle.name)
+    job.add_file_to_clients(str(_job_copy(bundle, workdir)), dest_dir=bundle.name)
     return job
+
+
+def _job_copy(bundle: Path, workdir) -> Path:
+    """The bundle as sites need it in a job: without ``configs/logging.conf``, an INI file that
+    ``nvflare job submit`` would try to parse as a job configuration and reject (sites only read
+    the network and transforms; ``monai.bundle run`` on the bundle itself keeps its logging)."""
+    copy = Path(workdir) / "bundle" / bundle.name
+    if copy.exists():
+        shutil.rmtree(copy)
+    shutil.copytree(bundle, copy, ignore=lambda folder, names: ["logging.conf"] if Path(folder).name == "configs" else [])
+    return copy
 
 
 def add_half_precision_filters(job: FedJob) -> None:
