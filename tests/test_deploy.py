@@ -183,6 +183,7 @@ def test_a_hospital_with_malformed_data_stops_the_job_before_round_0(fed):
         # the committed job folder through nvflare's own admin CLI (docs/deployment.md, "Submit")
         out = nvflare("job", "submit", "-j", str(JOB.parent), *kit)
         job_id = re.search(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", out).group(0)
+        assert job_id in nvflare("job", "list", *kit)
         nvflare("job", "wait", job_id, "--timeout", "180", *kit, check=False)
         status = nvflare("job", "meta", job_id, *kit)
         nvflare("job", "download", job_id, "-o", str(fed["tmp"] / "bad"), *kit)
