@@ -153,3 +153,26 @@ def test_bad_worker_processes_and_site_count_are_one_line_before_anything_runs(t
     assert "--threads must be between 1 and the number of sites (2), not 3" in _one_error_line(results["threads"])
     assert "--sites must be >= 1, not 0" in _one_error_line(results["sites"])
     assert not ws.exists() and not out.exists()
+
+
+def test_bad_provisioning_arguments_are_one_line_before_anything_is_written(tmp_path):
+    base = ["provision", "--project", "study", "--server", "localhost", "--admin", "admin@example.org"]
+    results = _launch({
+        "twice": base + ["--sites", "hospital-a,hospital-a", "--out", tmp_path / "twice"],
+        "name": base[:-2] + ["--admin", "not-an-email", "--sites", "hospital-a", "--out", tmp_path / "name"],
+        "ports": base + ["--sites", "hospital-a", "--fl-port", "8002", "--admin-port", "8002", "--out", tmp_path / "ports"],
+    })
+    assert "--sites: ['hospital-a'] named twice" in _one_error_line(results["twice"])
+    assert "--admin 'not-an-email'" in _one_error_line(results["name"])
+    assert "--fl-port and --admin-port are both 8002" in _one_error_line(results["ports"])
+    assert not any((tmp_path / name).exists() for name in results)
+
+
+def test_validate_one_hospitals_folder(tmp_path):
+    full = generate("cxr", tmp_path / "full", seed=0, cases=8, test_cases=4, sites=2)
+    hospital = tmp_path / "hospital"
+    hospital.mkdir()
+    shutil.copy(full / "scenario.yaml", hospital)
+    shutil.copytree(full / "site-2", hospital / "site-2")
+    assert cli.main(["validate", str(hospital), "--site", "site-2"]) == 0
+    assert cli.main(["validate", str(hospital)]) == 2  # the whole scenario: site-1 and test are not here
