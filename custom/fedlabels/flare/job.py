@@ -190,11 +190,15 @@ def run_cli(spec: JobSpec, argv=None) -> None:
     p.add_argument("-t", "--threads", type=int, help="--sim: worker processes (default: as `fedlabels simulate`)")
     p.add_argument("--transfer", choices=TRANSFERS, default=spec.transfer,
                    help="precision of the weights on the wire")
-    p.add_argument("--min-sites", type=int, default=spec.min_sites,
-                   help="fewest sites a round needs; the job waits for this many and goes on while they stay")
+    p.add_argument("--min-sites", type=int,
+                   help="fewest sites a round needs; nvflare starts the job once this many are connected and "
+                        "stops it when fewer stay (default: every site with --poc/--prod, else the job's own)")
     p.add_argument("--resume-from", default=spec.resume_from,
                    help="a previous run's server folder (on the server's machine): continue from its last round")
     args = p.parse_args(argv)
+    if args.min_sites is None:
+        # a real deployment waits for every hospital unless told it may run with fewer
+        args.min_sites = args.sites if (args.poc or args.prod) else spec.min_sites
     if not 1 <= args.min_sites <= args.sites:
         p.error(f"--min-sites {args.min_sites}: must be between 1 and the number of sites ({args.sites})")
     spec = dataclasses.replace(spec, sites=args.sites, rounds=args.rounds, transfer=args.transfer,
@@ -219,7 +223,9 @@ def run_cli(spec: JobSpec, argv=None) -> None:
         env = ProdEnv(startup_kit_location=args.prod, username=admin_user(args.prod))
     run = FedLabelsRecipe().execute(env)
     if run is not None:
-        result = run.get_result()  # waits for the job, then downloads its server workspace
+        # Waits for the job and downloads its server workspace; PocEnv then stops its services
+        # (clean_up=False: without it nvflare deletes the POC workspace, the result with it).
+        result = run.get_result(clean_up=False)
         print(f"job {run.get_job_id()}: {run.get_status()}; results: {result}")
 
 
