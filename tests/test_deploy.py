@@ -35,7 +35,7 @@ from PIL import Image
 
 from fedlabels.data.synthetic import generate
 from fedlabels.flare.local_federation import (Participant, free_ports, kit_processes, set_heartbeat_timeout,
-                                              wait_for_sites)
+                                              this_python_first, wait_for_sites)
 from fedlabels.flare.provision import PINNED, installed
 
 FEDLABELS = str(Path(sys.executable).with_name("fedlabels"))  # the installed console script
@@ -247,7 +247,8 @@ def test_the_same_job_runs_in_poc_mode(tmp_path):
     server and sites, runs the job, downloads the result and stops every service."""
     workspace = tmp_path / "poc"
     data = generate("cxr", tmp_path / "data", seed=0, cases=16, test_cases=12, sites=2)
-    env = {**os.environ, "NVFLARE_POC_WORKSPACE": str(workspace), "FEDLABELS_DATA": str(data), "OMP_NUM_THREADS": "1"}
+    env = this_python_first({**os.environ, "NVFLARE_POC_WORKSPACE": str(workspace), "FEDLABELS_DATA": str(data),
+                             "OMP_NUM_THREADS": "1"})
     out = subprocess.run([sys.executable, str(JOB), "--poc", "-n", "2", "--rounds", "2"], capture_output=True,
                          text=True, env=env, timeout=300)
     job_id, status, result = _result(out.stdout + out.stderr)

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -60,10 +61,16 @@ def kit_processes(kit) -> list:
     return [p for p in found if p.pid != os.getpid()]
 
 
+def this_python_first(env: dict) -> dict:
+    """``env`` with this interpreter's folder first on PATH: a kit's scripts run ``python3``,
+    which must be the environment where fedlabels and nvflare are installed."""
+    return {**env, "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])}
+
+
 class Participant:
     def __init__(self, kit, env: dict | None = None, log=None):
         self.kit = Path(kit).resolve()
-        self.env = {**os.environ, **(env or {})}
+        self.env = this_python_first({**os.environ, **(env or {})})
         self.log = Path(log or self.kit / "start.log")
         self.proc = None
 
