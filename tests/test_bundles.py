@@ -20,14 +20,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from monai.bundle import ConfigParser, ConfigWorkflow, run, verify_net_in_out
+from monai.bundle import ConfigParser, ConfigWorkflow, run, verify_metadata, verify_net_in_out
 from PIL import Image
 
 from fedlabels.bundle import data as bundle_data
 from fedlabels.data.synthetic import generate
 from fedlabels.bundle import bundle_path
 from fedlabels.bundle.workflows import check_torchscript, evaluate_bundle, export_bundle, load_state_dict, train_bundle
-from fedlabels.profile import ScenarioError
+from fedlabels.profile import ScenarioError, load_scenario
+
+from clinical_inputs import NIFTI_AFFINE, write_inputs, write_unreadable
 
 REPO = Path(__file__).resolve().parents[1]
 # bundle -> (synthetic family, image size used in the tests)
@@ -47,6 +49,8 @@ MANDATORY_META = ["version", "monai_version", "pytorch_version", "numpy_version"
 TENSOR_KEYS = ["type", "format", "modality", "num_channels", "spatial_shape", "dtype", "value_range",
                "is_patch_data", "channel_def"]
 RECOMMENDED_META = ["changelog", "intended_use", "data_source", "data_type", "references"]
+# The same specification as a JSON schema, for monai.bundle.verify_metadata offline.
+SPEC_SCHEMA = Path(__file__).with_name("monai_bundle_metadata.schema.json")
 
 
 def cfg(name, which):
@@ -83,7 +87,7 @@ def trained(request, scenarios, tmp_path_factory):
     torch.manual_seed(0)
     ckpt = train_bundle(name, data, out / "train", site="site-1", epochs=1, batch_size=8, image_size=size)
     metrics = evaluate_bundle(name, ckpt, data, out=out / "eval", image_size=size)
-    exported = export_bundle(name, ckpt, out / "export", image_size=size)
+    exported = export_bundle(name, ckpt, out / "export", image_size=size, data=data)
     return {"name": name, "family": family, "size": size, "data": Path(data), "out": out, "ckpt": ckpt,
             "metrics": metrics, "export": exported}
 
@@ -265,9 +269,11 @@ def test_inference_config_runs_on_new_images(trained, tmp_path):
     with open(tmp_path / "predictions.csv") as fh:
         rows = list(csv.reader(fh))
     names = json.loads((exp / "configs" / "metadata.json").read_text())["class_names"]
-    assert rows[0] == ["image"] + names
+    meta = json.loads((exp / "configs" / "metadata.json").read_text())
+    decisions = [f"{c}_positive" for c in names] if meta.get("decision_thresholds") else []
+    assert rows[0] == ["image"] + names + decisions + (["predicted"] if trained["family"] == "medmnist" else [])
     assert [Path(r[0]).name for r in rows[1:]] == [f.name for f in files]
-    probs = np.array([[float(v) for v in r[1:]] for r in rows[1:]])
+    probs = np.array([[float(v) for v in r[1:len(names) + 1]] for r in rows[1:]])
     assert probs.shape == (len(files), len(names))
     assert ((probs >= 0) & (probs <= 1)).all()
     if trained["family"] == "medmnist":
@@ -285,38 +291,107 @@ def test_inference_config_runs_on_new_images(trained, tmp_path):
     assert np.allclose(probs[0], ref[0].numpy(), atol=1e-5)
 
 
-def test_inference_reads_png_jpeg_and_nifti(trained, tmp_path):
-    """One picture as PNG, as NIfTI (x, y array order, MONAI's convention) and as an RGB JPEG."""
+def test_inference_reads_png_jpeg_nifti_and_dicom_and_skips_what_it_cannot_read(trained, tmp_path, caplog):
+    """One picture as PNG, NIfTI (x, y array order, MONAI's convention), DICOM (grey bundles) and
+    RGB JPEG, next to a file that is no image and a 3D volume: those two are named in one log
+    line each and left out, the others are predicted."""
     import nibabel as nib
 
     exp = trained["export"]
     src = sorted((trained["data"] / "test" / "images").glob("*.png"))[:2]
     inputs = tmp_path / "in"
-    inputs.mkdir()
+    written = {}
     for f in src:
+        written[f.stem] = write_inputs(inputs, f)
         arr = np.asarray(Image.open(f))
-        Image.fromarray(arr).save(inputs / f"{f.stem}.png")
-        xy = np.swapaxes(arr, 0, 1)  # PIL rows are y; MONAI's PILReader and NIfTI arrays index x first
-        nib.save(nib.Nifti1Image(xy.astype(np.float32), np.eye(4)), str(inputs / f"{f.stem}_n.nii.gz"))
         rgb = np.repeat(arr[..., None], 3, -1) if arr.ndim == 2 else arr
         Image.fromarray(rgb).save(inputs / f"{f.stem}_j.jpg", quality=95, subsampling=0)
+    bad = write_unreadable(inputs)
     out = tmp_path / "out"
-    overrides = {"output_ext": ".nii.gz"} if trained["family"] == "lesion" else {}
-    run(config_file=str(exp / "configs" / "inference.json"), meta_file=str(exp / "configs" / "metadata.json"),
-        logging_file=False, bundle_root=str(exp), dataset_dir=str(inputs), output_dir=str(out), **overrides)
-    if trained["family"] == "lesion":
+    with caplog.at_level("WARNING", logger="fedlabels.bundle"):
+        run(config_file=str(exp / "configs" / "inference.json"), meta_file=str(exp / "configs" / "metadata.json"),
+            logging_file=False, bundle_root=str(exp), dataset_dir=str(inputs), output_dir=str(out), device="cpu")
+    for f in bad:
+        assert sum(f"cannot read {f}" in r.getMessage() for r in caplog.records) == 1
+    if trained["family"] == "lesion":  # masks follow the input: NIfTI (source geometry) for NIfTI/DICOM, else PNG
         for f in src:
-            for stem in (f.stem, f"{f.stem}_n", f"{f.stem}_j"):
-                mask = nib.load(str(out / f"{stem}_seg.nii.gz")).get_fdata()
-                assert mask.squeeze().shape == np.asarray(Image.open(f)).shape[:2][::-1]  # x, y order
+            shape_yx = np.asarray(Image.open(f)).shape[:2]
+            for stem in (f.stem, f"{f.stem}_j"):
+                assert np.asarray(Image.open(out / f"{stem}_seg.png")).shape == shape_yx
+            mask = nib.load(str(out / f"{f.stem}_n_seg.nii.gz"))
+            assert mask.get_fdata().squeeze().shape == shape_yx[::-1]  # x, y order
+            assert np.allclose(mask.affine, NIFTI_AFFINE)
+            assert set(np.unique(mask.get_fdata())) <= {0, 1}
+        assert not list(out.glob("broken*")) and not list(out.glob("volume*"))
         return
     with open(out / "predictions.csv") as fh:
-        rows = {Path(r[0]).name: np.array([float(v) for v in r[1:]]) for r in list(csv.reader(fh))[1:]}
-    assert len(rows) == 3 * len(src)
+        rows = {Path(r[0]).name: np.array([float(v) for v in r[1:len(trained_names(exp)) + 1]])
+                for r in list(csv.reader(fh))[1:]}
+    grey = trained["family"] == "cxr"
+    assert sorted(rows) == sorted([p.name for w in written.values() for p in w.values()]
+                                  + [f"{f.stem}_j.jpg" for f in src])
+    assert len(rows) == (4 if grey else 3) * len(src)
     for f in src:
         png = rows[f"{f.stem}.png"]
         assert np.allclose(rows[f"{f.stem}_n.nii.gz"], png, atol=1e-5)  # same pixels, same orientation
+        if grey:
+            assert np.allclose(rows[f"{f.stem}_d.dcm"], png, atol=1e-5)
         assert np.allclose(rows[f"{f.stem}_j.jpg"], png, atol=0.1)  # lossy JPEG, RGB -> grey where needed
+
+
+def trained_names(exp) -> list:
+    return json.loads((exp / "configs" / "metadata.json").read_text())["class_names"]
+
+
+def test_exported_bundle_carries_thresholds_test_intervals_label_table_and_model_card(trained, tmp_path):
+    """``export_bundle(..., data=)``: metadata that passes ``verify_metadata`` and holds the clinical
+    fields; the CSV's decisions are the probabilities at those thresholds; the model card says it."""
+    exp, data = trained["export"], trained["data"]
+    verify_metadata(meta_file=str(exp / "configs" / "metadata.json"), filepath=str(SPEC_SCHEMA))
+    meta = json.loads((exp / "configs" / "metadata.json").read_text())
+    names, task = meta["class_names"], TASK[trained["family"]]
+    assert meta["task"] == task
+    scenario = load_scenario(data)
+    table = meta["training"]["label_table"]
+    assert sorted(table) == sorted(scenario.sites)
+    for site, row in table.items():
+        summary = scenario.site(site).summary()
+        assert [row["annotated"][c] for c in names] == summary["annotated"]
+        assert row["cases"] == summary["cases"]
+    test = meta["test_metrics"]
+    assert test["cases"] == len(scenario.test) and test["confidence"] == 0.95
+    thresholds = meta["decision_thresholds"]
+    if task == "multiclass":
+        assert thresholds == {} and 0 <= test["accuracy"]["value"] <= 1
+    else:
+        assert sorted(thresholds) == sorted(names)
+        assert any(t is not None for t in thresholds.values())
+    for name, m in test["per_class"].items():
+        value, ci = (m["dice"], m["dice_ci"]) if task == "segmentation" else (m["auroc"], m["auroc_ci"])
+        if ci is not None:
+            assert ci[0] <= value <= ci[1]
+    card = (exp / "docs" / "README.md").read_text()
+    for heading in ("## Intended use", "## Training", "## Performance", "## Known limitations"):
+        assert heading in card
+    assert all(site in card for site in scenario.sites)
+    if task != "multilabel":
+        return
+    # the decision columns are the probabilities at the metadata's thresholds
+    images = data / "test" / "images"
+    run(config_file=str(exp / "configs" / "inference.json"), logging_file=False, bundle_root=str(exp),
+        dataset_dir=str(images), output_dir=str(tmp_path))
+    with open(tmp_path / "predictions.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == len(list(images.glob("*.png")))
+    checked = 0
+    for r in rows:
+        for c in names:
+            if thresholds[c] is None:
+                assert r[f"{c}_positive"] == ""
+            else:
+                assert r[f"{c}_positive"] == str(int(float(r[c]) >= thresholds[c]))
+                checked += 1
+    assert checked
 
 
 def test_segmentation_masks_keep_orientation_and_size(tmp_path):
@@ -328,6 +403,7 @@ def test_segmentation_masks_keep_orientation_and_size(tmp_path):
     Image.fromarray(img).save(tmp_path / "case.png")
     parser = ConfigParser()
     parser.read_config(cfg("lesion_unet", "inference.json"))
+    parser.read_meta(cfg("lesion_unet", "metadata.json"))  # as `monai.bundle run` does by default
     parser.update({"bundle_root": str(tmp_path), "output_dir": str(tmp_path / "out"), "image_size": 32})
     pre = parser.get_parsed_content("preprocessing")
     post = parser.get_parsed_content("postprocessing")

@@ -33,6 +33,9 @@ import pytest
 import torch
 from PIL import Image
 
+from monai.bundle import verify_metadata
+
+from clinical_inputs import write_inputs
 from fedlabels.data.synthetic import generate
 from fedlabels.flare.local_federation import (Participant, free_ports, kit_processes, set_heartbeat_timeout,
                                               this_python_first, wait_for_sites)
@@ -159,21 +162,29 @@ def test_a_job_runs_on_the_loopback_federation_and_its_model_serves(fed, tmp_pat
             assert e["array_bytes"] == sum(np.asarray(v).nbytes for v in state.values())
             assert e["meta"]["n"] == len(json.loads((fed["data"][site] / site / "datalist.json").read_text())["training"])
         assert sent[3]["weights"] == {}  # validation sends metrics only
-    subprocess.run([FEDLABELS, "export", "--bundle", "cxr_densenet121", "--ckpt", str(model),
-                    "--out", str(tmp_path / "bundle")], check=True, capture_output=True)
-    images = tmp_path / "images"
-    images.mkdir()
-    for f in sorted((fed["full"] / "test" / "images").glob("*.png"))[:2]:
-        shutil.copy(f, images)
+    # the clinical bundle: thresholds from the sites' validation cases, test metrics, the run's provenance
     bundle = tmp_path / "bundle"
-    subprocess.run([sys.executable, "-m", "monai.bundle", "run", "--config_file", str(bundle / "configs" / "inference.json"),
-                    "--meta_file", str(bundle / "configs" / "metadata.json"), "--bundle_root", str(bundle),
-                    "--dataset_dir", str(images), "--output_dir", str(tmp_path / "out")],
+    subprocess.run([FEDLABELS, "export", "--bundle", "cxr_densenet121", "--ckpt", str(model), "--run",
+                    str(result / "workspace"), "--data", str(fed["full"]), "--out", str(bundle)],
                    check=True, capture_output=True)
+    verify_metadata(meta_file=str(bundle / "configs" / "metadata.json"),
+                    filepath=str(Path(__file__).with_name("monai_bundle_metadata.schema.json")))
+    meta = json.loads((bundle / "configs" / "metadata.json").read_text())
+    assert meta["provenance"]["method"] == "fedavg" and meta["provenance"]["rounds"] == 2
+    assert meta["provenance"]["sites"] == list(SITES)
+    assert sorted(meta["training"]["label_table"]) == list(SITES)
+    assert meta["test_metrics"]["cases"] == 12 and set(meta["decision_thresholds"]) == set(meta["class_names"])
+    images = tmp_path / "images"
+    for f in sorted((fed["full"] / "test" / "images").glob("*.png"))[:2]:
+        write_inputs(images, f)  # PNG, NIfTI and DICOM of the same picture
+    subprocess.run([sys.executable, "-m", "monai.bundle", "run", "--config_file", str(bundle / "configs" / "inference.json"),
+                    "--bundle_root", str(bundle), "--dataset_dir", str(images), "--output_dir", str(tmp_path / "out"),
+                    "--device", "cpu"], check=True, capture_output=True)
     rows = list(csv.reader(open(tmp_path / "out" / "predictions.csv")))
     assert [Path(r[0]).name for r in rows[1:]] == sorted(p.name for p in images.iterdir())
-    probs = np.array([[float(v) for v in r[1:]] for r in rows[1:]])
-    assert probs.shape == (2, 6) and ((probs > 0) & (probs < 1)).all()
+    probs = np.array([[float(v) for v in r[1:7]] for r in rows[1:]])
+    assert probs.shape == (6, 6) and ((probs > 0) & (probs < 1)).all()
+    assert np.allclose(probs[0::3], probs[1::3], atol=1e-5) and np.allclose(probs[0::3], probs[2::3], atol=1e-5)
 
 
 def test_a_hospital_with_malformed_data_stops_the_job_before_round_0(fed):

@@ -5,7 +5,7 @@
     fedlabels prepare DATASET --src DIR --protocol NAME --out DIR
     fedlabels train --bundle bundles/X --data DIR [--site NAME] [--epochs N] --out DIR
     fedlabels evaluate --bundle bundles/X --ckpt MODEL --data DIR
-    fedlabels export --bundle bundles/X --ckpt MODEL --out DIR
+    fedlabels export --bundle bundles/X --ckpt MODEL --out DIR [--run RUN_DIR] [--data DIR]
     fedlabels baseline {local,centralized,oracle} --data DIR   non-federated references
     fedlabels methods                              registered federated methods
     fedlabels bench --data DIR --bundle X --methods a,b --seeds 0,1,2 --rounds R --out DIR
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 
@@ -33,7 +34,7 @@ FLARE_COMMANDS = ("jobs", "simulate", "report", "demo")
 # themselves (train and evaluate do, in bundle.workflows): main() validates it
 # with profile.load_scenario first, so a malformed scenario is one ScenarioError
 # line before any model code is imported or trained.
-SCENARIO_COMMANDS = ("baseline", "simulate", "report")
+SCENARIO_COMMANDS = ("baseline", "simulate", "report", "export")
 
 
 def _say(msg: str) -> None:
@@ -81,8 +82,17 @@ def cmd_evaluate(args):
 def cmd_export(args):
     from .bundle.workflows import export_bundle
 
-    out = export_bundle(args.bundle, args.ckpt, args.out)
+    if not args.ckpt and not args.run:
+        raise ValueError("export needs --ckpt MODEL or --run RUN_DIR (its best global model)")
+    ckpt = args.ckpt or os.path.join(args.run, "app_server", "best_FL_global_model.pt")
+    out = export_bundle(args.bundle, ckpt, args.out, data=args.data, run=args.run)
     _say(f"exported bundle: {out}")
+    if args.data:
+        meta = json.loads(open(os.path.join(out, "configs", "metadata.json")).read())
+        _say("decision thresholds (chosen on validation data): "
+             + ", ".join(f"{k} {'n/a' if v is None else f'{v:.3f}'}" for k, v in meta["decision_thresholds"].items())
+             if meta["decision_thresholds"] else "decision: the class with the highest probability")
+        _say(f"model card: {os.path.join(out, 'docs', 'README.md')}")
 
 
 def cmd_baseline(args):
@@ -159,8 +169,11 @@ def build_parser(flare: bool = True) -> argparse.ArgumentParser:
 
     s = sub.add_parser("export", help="turn a checkpoint into a deployable inference bundle")
     s.add_argument("--bundle", required=True)
-    s.add_argument("--ckpt", required=True)
+    s.add_argument("--ckpt", help="the model (default with --run: the run's best global model)")
     s.add_argument("--out", required=True)
+    s.add_argument("--run", help="the federated run's server folder: method, rounds and model kind in the metadata")
+    s.add_argument("--data", help="scenario folder: decision thresholds from its validation cases, test metrics with "
+                                   "confidence intervals, the sites' label table and the model card")
     s.set_defaults(fn=cmd_export)
 
     s = sub.add_parser("baseline", help="non-federated references: local learning, centralized, oracle")

@@ -8,6 +8,10 @@ The bundle configs call these functions, so a bundle trained with
   with absolute paths, for one site, several, or all sites pooled
   (centralised training); ``split="test"`` is the held-out test set.
 * ``image_files(path)`` -- the inputs of ``inference.json``.
+* ``ReadableImages`` -- the inference dataset: an input that cannot be read
+  or converted is named in one log line and left out; the rest go on.
+* ``SaveMaskd`` -- writes a predicted mask next to its kind of input: PNG for
+  PNG/JPEG, NIfTI with the source geometry for NIfTI and DICOM.
 * ``Ensure2DChannelsd`` -- makes any 2D input (grey, RGB, RGBA, a 2D NIfTI
   stored as H x W x 1) the channel count a network expects.
 * ``RandDihedrald`` -- cheap random flip / rotate-by-90 for training.
@@ -16,18 +20,22 @@ The bundle configs call these functions, so a bundle trained with
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
 from monai.config import KeysCollection
-from monai.transforms import MapTransform, RandomizableTransform
+from monai.data import Dataset
+from monai.transforms import MapTransform, RandomizableTransform, SaveImage
 
 from ..profile import IMAGE_SUFFIXES, ScenarioError, load_scenario
 
 TEST_SPLITS = ("test", "testing")
 INFERENCE_SUFFIXES = (".png", ".jpg", ".jpeg", ".nii", ".nii.gz", ".dcm")
+
+logger = logging.getLogger("fedlabels.bundle")
 
 
 def _sites(site) -> list | None:
@@ -152,6 +160,69 @@ def image_files(inputs) -> list:
     if not found:
         raise FileNotFoundError(f"{inputs}: no image files ({', '.join(INFERENCE_SUFFIXES)})")
     return [{"image": str(Path(p).resolve())} for p in sorted(found)]
+
+
+class ReadableImages(Dataset):
+    """The inputs that ``transform`` can read and convert, transformed once.
+
+    Each input is preprocessed when the dataset is built (the preprocessed
+    images are small: the network's input size); one that fails (an
+    unreadable file, a 3D volume, channels the network cannot take) is
+    reported as ``cannot read <file>: <reason>`` and left out, so one bad
+    file in a folder does not stop the others. No readable input at all is
+    an error.
+    """
+
+    def __init__(self, data, transform):
+        ready, refused = [], []
+        for item in data:
+            try:
+                ready.append(transform(item))
+            except Exception as e:  # MONAI wraps the reader's error: report its root cause
+                cause = e
+                while cause.__cause__ is not None:
+                    cause = cause.__cause__
+                reason = " ".join(str(cause).split())[:300] or type(cause).__name__
+                logger.warning(f"cannot read {item['image']}: {reason}")
+                refused.append(item["image"])
+        if not ready:
+            raise ValueError(f"none of the {len(refused)} input images could be read (first: {refused[:1]})")
+        if refused:
+            logger.warning(f"{len(refused)} of {len(data)} input images left out")
+        self.refused = refused
+        super().__init__(ready, transform=None)
+
+
+class SaveMaskd(MapTransform):
+    """Save a mask (channel-first, already inverted to the input's grid) as ``<stem>_<postfix><ext>``.
+
+    ``output_ext="auto"`` follows the input: a NIfTI or DICOM input gets a
+    NIfTI mask carrying the input's affine (its voxel size and orientation);
+    a PNG/JPEG input gets a PNG. A fixed extension writes every mask so.
+    """
+
+    def __init__(self, keys: KeysCollection, output_dir, output_postfix: str = "seg", output_ext: str = "auto",
+                 scale: int = 255, allow_missing_keys: bool = False):
+        super().__init__(keys, allow_missing_keys)
+        self.output_ext = output_ext
+        common = dict(output_dir=output_dir, output_postfix=output_postfix, output_dtype=np.uint8, resample=False,
+                      separate_folder=False, print_log=False)
+        self.savers = {
+            ext: SaveImage(output_ext=ext, scale=None if ext.startswith(".nii") else scale,
+                           squeeze_end_dims=not ext.startswith(".nii"), **common)
+            for ext in {".png", ".nii.gz", output_ext} - {"auto"}}
+
+    def ext_for(self, source: str) -> str:
+        if self.output_ext != "auto":
+            return self.output_ext
+        return ".nii.gz" if str(source).lower().endswith((".nii", ".nii.gz", ".dcm")) else ".png"
+
+    def __call__(self, data):
+        d = dict(data)
+        for key in self.key_iterator(d):
+            source = (getattr(d[key], "meta", None) or {}).get("filename_or_obj", "")
+            self.savers[self.ext_for(source)](d[key])
+        return d
 
 
 class Ensure2DChannelsd(MapTransform):

@@ -5,8 +5,9 @@
   positives/negatives are reported as undefined, never averaged in.
 * ``MetricsJSONWriter`` -- writes an evaluator's metrics (with per-class
   details) to a JSON file when it completes.
-* ``PredictionCSVWriter`` -- one CSV row per input image: path and per-class
-  probability, with a header of class names.
+* ``PredictionCSVWriter`` -- one CSV row per input image: path, per-class
+  probability, and the decision at each class's threshold (multi-label) or the
+  most probable class (multi-class), with a header of class names.
 * ``EpochSummary`` -- one readable log line per epoch (loss, images/s, ETA).
 * ``BestMetricCheckpointSaver`` -- MONAI's ``CheckpointSaver`` that does not
   save a "best" model at an epoch whose key metric is undefined (NaN).
@@ -164,15 +165,44 @@ class MetricsJSONWriter:
 class PredictionCSVWriter:
     """Write ``image,<class 1>,<class 2>,...`` rows of per-class probabilities.
 
-    Filenames come from the input image's metadata (``filename_or_obj``). Rows
-    are written in the order the evaluator sees the images; the file is
-    complete when the evaluator completes.
+    ``thresholds`` (class -> cut, from the exported bundle's metadata) adds a
+    ``<class>_positive`` column per class, 1 when the probability reaches the
+    cut, empty for a class without a threshold; ``decision="argmax"``
+    (multi-class) adds ``predicted``, the most probable class. Filenames come
+    from the input image's metadata (``filename_or_obj``). Rows are written in
+    the order the evaluator sees the images, to a temporary name renamed when
+    the evaluator completes.
     """
 
-    def __init__(self, filepath: str, class_names, image_key: str = "image", pred_key: str = "pred"):
+    def __init__(self, filepath: str, class_names, image_key: str = "image", pred_key: str = "pred",
+                 thresholds: dict | None = None, decision: str | None = None):
         self.filepath, self.class_names = str(filepath), [str(c) for c in class_names]
         self.image_key, self.pred_key = image_key, pred_key
+        self.thresholds = dict(thresholds or {})
+        unknown = sorted(set(self.thresholds) - set(self.class_names))
+        if unknown:
+            raise ValueError(f"decision thresholds for unknown classes {unknown}; classes are {self.class_names}")
+        if decision not in (None, "argmax"):
+            raise ValueError(f"decision must be None or 'argmax', not {decision!r}")
+        self.decision = decision
         self._rows: list = []
+
+    def header(self) -> list:
+        cols = ["image"] + self.class_names
+        if self.thresholds:
+            cols += [f"{c}_positive" for c in self.class_names]
+        if self.decision == "argmax":
+            cols.append("predicted")
+        return cols
+
+    def row(self, name: str, probs: list) -> list:
+        out = [str(name)] + [f"{p:.6f}" for p in probs]
+        if self.thresholds:
+            cuts = [self.thresholds.get(c) for c in self.class_names]
+            out += ["" if t is None else str(int(p >= t)) for p, t in zip(probs, cuts)]
+        if self.decision == "argmax":
+            out.append(self.class_names[int(np.argmax(probs))])
+        return out
 
     def attach(self, engine: Engine) -> None:
         engine.add_event_handler(Events.STARTED, self._reset)
@@ -196,15 +226,17 @@ class PredictionCSVWriter:
             probs = torch.as_tensor(pred).detach().float().cpu().reshape(-1).tolist()
             if len(probs) != len(self.class_names):
                 raise ValueError(f"{name}: {len(probs)} outputs for {len(self.class_names)} class names")
-            self._rows.append([str(name)] + [f"{p:.6f}" for p in probs])
+            self._rows.append(self.row(name, probs))
 
     def _write(self, engine: Engine) -> None:
         path = Path(self.filepath)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w", newline="") as f:
+        tmp = path.with_name(f".{path.name}.partial")
+        with open(tmp, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["image"] + self.class_names)
+            w.writerow(self.header())
             w.writerows(self._rows)
+        os.replace(tmp, path)
         logger.info(f"{len(self._rows)} predictions written to {path}")
 
 

@@ -297,14 +297,20 @@ def _inference_parser(bundle: Path, **overrides):
 
 
 def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = None, metrics: dict | None = None,
-                  provenance: dict | None = None, check: bool = True) -> Path:
+                  provenance: dict | None = None, check: bool = True, data=None, run=None) -> Path:
     """Write a deployable copy of ``bundle`` at ``out`` with the weights of ``ckpt``.
 
     * ``models/model.pt`` -- the plain state dict (MONAI bundle spec);
     * ``models/model.ts`` -- TorchScript by ``monai.bundle.ckpt_export`` from
       ``configs/inference.json`` (metadata and configs embedded);
     * ``configs/metadata.json`` -- class names (``channel_def``, ``class_names``),
-      input size, optional ``eval_metrics`` and ``provenance``.
+      input size, optional ``eval_metrics`` and ``provenance``;
+    * with ``data`` (a scenario folder): the decision thresholds chosen on its
+      sites' validation cases, the test metrics per class with confidence
+      intervals, the sites' label table (``bundle.card``) in the metadata, and
+      the model card ``docs/README.md`` written from them;
+    * with ``run`` (a federated run's server folder): the method, the rounds
+      completed and which model (best or last) in the provenance.
 
     ``class_names`` / ``image_size`` override the bundle's defaults (a scenario
     with other classes or a model trained at another size); the inference
@@ -339,6 +345,7 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
         if image_size is not None:
             infer["image_size"] = int(image_size)
         names = infer["class_names"]
+        provenance = {**(run_provenance(run, ckpt) if run else {}), **(provenance or {})}
         _update_metadata(meta, names, infer["image_size"], infer["in_channels"], metrics, provenance, bundle, ckpt)
         infer_path.write_text(json.dumps(infer, indent=4) + "\n")
         meta_path.write_text(json.dumps(meta, indent=4) + "\n")
@@ -357,6 +364,14 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
                              + "; ".join(problems))
         pt = staging / "models" / "model.pt"
         torch.save(net.state_dict(), pt)
+        if data is not None:
+            from . import card
+
+            _add_evidence(meta, card.evidence(net, bundle, data, names, sites=provenance.get("sites"),
+                                               image_size=infer["image_size"]))
+            meta_path.write_text(json.dumps(meta, indent=4) + "\n")
+            readme = staging / "docs" / "README.md"
+            readme.write_text(card.model_card(meta) + "\n---\n\n" + readme.read_text())
 
         ts = staging / "models" / "model.ts"
         ckpt_export(
@@ -401,6 +416,41 @@ def _update_metadata(meta, names, image_size, in_channels, metrics, provenance, 
         "exported": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **(provenance or {}),
     }
+
+
+def _add_evidence(meta: dict, ev: dict) -> None:
+    meta["task"] = ev["task"]
+    meta["decision_thresholds"] = ev["decision_thresholds"]
+    meta["training"] = {k: ev[k] for k in ("scenario", "scenario_dir", "label_table", "threshold_rule",
+                                           "validation_cases")}
+    meta["test_metrics"] = ev["test"]
+    if ev["test"]:  # the schema's flat name -> score view
+        for name, m in ev["test"]["per_class"].items():
+            for key in ("auroc", "dice"):
+                if m.get(key) is not None:
+                    meta["eval_metrics"][f"test_{key}/{name}"] = m[key]
+        if ev["test"].get("accuracy"):
+            meta["eval_metrics"]["test_accuracy"] = ev["test"]["accuracy"]["value"]
+
+
+def run_provenance(run, ckpt) -> dict:
+    """What a federated run's server folder says about the model: method, rounds, best or last."""
+    from ..config import FILE, RunConfig
+
+    run = Path(run)
+    cfg_path = run / "app_server" / "custom" / FILE
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{run}: not a fedlabels run's server folder (no app_server/custom/{FILE})")
+    cfg = RunConfig.load(cfg_path)
+    progress = json.loads((run / "progress.json").read_text()) if (run / "progress.json").is_file() else {}
+    name = Path(str(ckpt)).name if isinstance(ckpt, (str, os.PathLike)) else ""
+    rounds = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] \
+        if (run / "metrics.jsonl").is_file() else []
+    sites = sorted({s for r in rounds for s in r.get("sites", {})}) or None
+    kind = {"best_FL_global_model.pt": "best global model (chosen on the sites' validation data)",
+            "FL_global_model.pt": "last global model"}.get(name, name or "in-memory state dict")
+    return {"method": cfg.method, "rounds": progress.get("next_round"), "checkpoint_kind": kind,
+            "best_validation_score": progress.get("best"), "sites": sites, "run": str(run.resolve())}
 
 
 def check_torchscript(bundle, atol: float = 1e-4, rtol: float = 1e-4) -> float:
