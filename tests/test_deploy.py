@@ -172,7 +172,12 @@ def test_a_job_runs_on_the_loopback_federation_and_its_model_serves(fed, tmp_pat
     meta = json.loads((bundle / "configs" / "metadata.json").read_text())
     assert meta["provenance"]["method"] == "fedavg" and meta["provenance"]["rounds"] == 2
     assert meta["provenance"]["sites"] == list(SITES)
-    assert sorted(meta["training"]["label_table"]) == list(SITES)
+    # the label table is what the server received from each hospital (its label_summaries.json)
+    received = json.loads((result / "workspace" / "label_summaries.json").read_text())
+    assert sorted(received) == list(SITES) and "label_summaries.json" in meta["training"]["label_table_source"]
+    for site in SITES:
+        row = meta["training"]["label_table"][site]
+        assert [row["annotated"][c] for c in meta["class_names"]] == received[site]["annotated"]
     assert meta["test_metrics"]["cases"] == 12 and set(meta["decision_thresholds"]) == set(meta["class_names"])
     images = tmp_path / "images"
     for f in sorted((fed["full"] / "test" / "images").glob("*.png"))[:2]:

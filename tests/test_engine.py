@@ -368,8 +368,7 @@ ROUNDS, STOP = 4, 2
 def fresh(method, bundle, data, client_options):
     """Setups, client rules, server rule and engine as ``references.federate`` builds them."""
     from fedlabels.config import KEY_METRICS
-    from fedlabels.references import setups
-    from fedlabels.site import train_task
+    from fedlabels.references import setups, site_round
 
     m = methods.get(method)
     st = setups(bundle, data, sites=SITES, batch_size=8, seed=0)
@@ -378,7 +377,7 @@ def fresh(method, bundle, data, client_options):
     server.setup({s: x.site.summary() for s, x in st.items()})
 
     def send(step, targets, weights, rnd, extras):
-        return [train_task(clients[s], st[s], weights, rnd, extras) for s in targets]
+        return [site_round(clients[s], st[s], weights, rnd, extras) for s in targets]
 
     eng = RoundEngine(server, send, key_metric=KEY_METRICS[next(iter(st.values())).task])
     return st, clients, eng

@@ -5,8 +5,10 @@ import filecmp
 import json
 import re
 import shutil
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -166,9 +168,10 @@ def test_same_seed_same_metrics(tmp_path, data, job_runs):
     assert all(np.array_equal(wa[k], wb[k]) for k in wa)
 
 
-@pytest.mark.parametrize("name", ["fedavg_cxr", "surgical_cxr"])
+@pytest.mark.parametrize("name", ["fedavg_cxr", "surgical_cxr", "fedbn_cxr"])
 def test_flare_and_in_process_engine_give_the_same_weights(name, job_runs, data):
-    """The controller and the in-process loop run the same engine: same global weights (1e-6)."""
+    """The controller and the in-process loop run the same engine: same global weights (1e-6).
+    FedBN: nvflare's ExcludeVars filter and the in-process site_round withhold the same keys."""
     run_dir, _ = job_runs(name)
     spec = JOBS[name]
     setups = references.setups(REPO / "bundles" / spec.bundle, data, sites=["site-1", "site-2"],
@@ -308,24 +311,150 @@ def test_one_configuration_reaches_server_and_sites(tmp_path, data):
     assert all(not r["dropped"] and r["aggregated"] for r in rounds(run_dir))
 
 
-def test_fedbn_global_model_carries_learned_statistics_and_exports_what_is_reported(job_runs, data, tmp_path):
-    """Under FedBN the saved global model holds the sites' mean learned batch-norm
-    statistics (not the initial identity), and its exported TorchScript scores on the
-    test split exactly what `fedlabels report` (evaluate_global) reports."""
-    from fedlabels.bundle.workflows import export_bundle
-    from fedlabels.site import evaluate, test_loader
+def _client_config(name) -> dict:
+    return json.loads((REPO / "nvflare_jobs" / name / "app" / "config" / "config_fed_client.json").read_text())
 
+
+def _result_filters(config) -> list:
+    return [(sorted(entry["tasks"]), f["path"].rsplit(".", 1)[-1], f.get("args", {}))
+            for entry in config["task_result_filters"] for f in entry["filters"]]
+
+
+def test_only_batch_norm_local_jobs_carry_the_exclude_filter_for_every_task():
+    """The committed job configs (kept equal to the code by the test above): FedBN's sites remove
+    their batch-norm keys from every task's result; every job records its replies last."""
+    from fedlabels.bundle import bundle_path, network
+    from fedlabels.nets import batchnorm_keys
+
+    tasks = ["submit_model", "train", "validate"]
+    for name, spec in JOBS.items():
+        filters = _result_filters(_client_config(name))
+        assert filters[-1][:2] == (tasks, "SentRecord"), name
+        exclude = [f for f in filters if f[1] == "ExcludeVars"]
+        if name == "fedbn_cxr":
+            bn = batchnorm_keys(network(bundle_path(spec.bundle), spec.network))
+            assert len(bn) > 100 and [(t, f, a["exclude_vars"]) for t, f, a in exclude] == [(tasks, "ExcludeVars",
+                                                                                             sorted(bn))]
+        else:
+            assert not exclude, name
+    # the policy, not the method's name, decides: another method's client option fedbn gets it too
+    import tempfile
+
+    from fedlabels.flare.job import build_job
+
+    spec = dataclasses.replace(JOBS["surgical_cxr"], client={**JOBS["surgical_cxr"].client, "bn_policy": "fedbn"})
+    with tempfile.TemporaryDirectory() as tmp:
+        build_job(spec, tmp).export_job(tmp)
+        config = json.loads((Path(tmp) / spec.name / "app" / "config" / "config_fed_client.json").read_text())
+    assert [f[1] for f in _result_filters(config)] == ["ExcludeVars", "SentRecord"]
+
+
+def test_exclude_filter_removes_exactly_the_batch_norm_keys_from_a_result_and_the_record_shows_it(tmp_path,
+                                                                                                   monkeypatch):
+    """The fedbn job's own ExcludeVars (built from its committed config) on a real nvflare result,
+    as the client script sends it, then the audit record filter after it."""
+    from nvflare.apis.dxo import from_shareable
+    from nvflare.apis.fl_constant import FLContextKey, ReservedKey
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.app_common.abstract.fl_model import FLModel
+    from nvflare.app_common.filters import ExcludeVars
+    from nvflare.app_common.utils.fl_model_utils import FLModelUtils
+
+    from fedlabels.bundle import bundle_path, network
+    from fedlabels.flare.sent import SentRecord
+    from fedlabels.methods.base import to_numpy
+    from fedlabels.nets import batchnorm_keys
+
+    net = network(bundle_path(JOBS["fedbn_cxr"].bundle))
+    state, bn = to_numpy(net.state_dict()), set(batchnorm_keys(net))
+    (args,) = [f[2] for f in _result_filters(_client_config("fedbn_cxr")) if f[1] == "ExcludeVars"]
+    ctx = FLContext()
+    ctx.set_prop(FLContextKey.TASK_NAME, "train", private=True, sticky=False)
+    for reply in (FLModel(params=dict(state), metrics={"train_loss": 0.5}, meta={"n": 8}),  # train
+                  FLModel(params=dict(state))):  # submit_model: the whole state dict
+        out = ExcludeVars(**args).process(FLModelUtils.to_shareable(reply), ctx)
+        dxo = from_shareable(out)
+        assert set(dxo.data) == set(state) - bn and bn  # exactly the batch norm is gone
+        for k, v in dxo.data.items():
+            assert v is state[k]  # the rest untouched
+    assert dxo.get_filter_history() == ["ExcludeVars"]
+    monkeypatch.setenv("FEDLABELS_SENT", str(tmp_path))
+    ctx.set_prop(ReservedKey.IDENTITY_NAME, "site-9", private=False, sticky=False)
+    assert SentRecord().process(out, ctx) is out
+    (line,) = (tmp_path / f"{ctx.get_identity_name()}.jsonl").read_text().splitlines()
+    entry = json.loads(line)
+    assert set(entry["weights"]) == set(state) - bn
+    assert entry["array_bytes"] == sum(v.nbytes for k, v in state.items() if k not in bn)
+
+
+def test_fedbn_batch_norm_never_leaves_a_site_and_its_personal_model_carries_it(job_runs, data, tmp_path):
+    """In the real simulator: no task a FedBN site sent carries a batch-norm key (its audit record,
+    written after nvflare's filters); the server's global model keeps its initial batch norm while
+    every other weight trains; a site's personal model is the global weights with the batch norm it
+    trained for both rounds, and predicts otherwise than the global model; the exported global model
+    scores what `fedlabels report` reports."""
+    from fedlabels.bundle import network
+    from fedlabels.bundle.workflows import export_bundle
+    from fedlabels.methods.base import personal_model
+    from fedlabels.nets import batchnorm_keys, rebuild
+    from fedlabels.site import evaluate, setup_site, test_loader
+
+    spec = JOBS["fedbn_cxr"]
+    bundle = REPO / "bundles" / spec.bundle
     run_dir, _ = job_runs("fedbn_cxr")
     w = weights(run_dir)
-    means = [k for k in w if k.endswith("running_mean")]
-    assert means and any(np.abs(w[k]).max() > 1e-3 for k in means)  # initial running means are 0
-    bundle = REPO / "bundles" / JOBS["fedbn_cxr"].bundle
+    net = network(bundle, spec.network)
+    bn = set(batchnorm_keys(net))
+    torch.manual_seed(spec.seed)  # the controller's seeded initial model
+    initial = {k: v.numpy() for k, v in rebuild(net).state_dict().items()}
+    for site in ("site-1", "site-2"):
+        record = run_dir.parents[1] / site / "fedlabels_sent" / f"{site}.jsonl"
+        sent = [json.loads(line) for line in record.read_text().splitlines()]
+        assert [e["task"] for e in sent] == ["summary", "train", "train", "validate"], site
+        assert [e["round"] for e in sent] == [None, 0, 1, 2] and len({e["run"] for e in sent} - {None}) == 1
+        assert all(not bn & set(e["weights"]) for e in sent)
+        for e in sent[1:3]:
+            assert set(e["weights"]) == set(w) - bn and e["meta"]["filter_history"] == ["ExcludeVars"]
+    for k in bn:
+        np.testing.assert_array_equal(w[k], initial[k], err_msg=k)
+    trained = [k for k in set(w) - bn if w[k].dtype.kind == "f"]
+    assert trained and all(not np.array_equal(w[k], initial[k]) for k in trained)
+
+    # Each site's personal model: the global weights with the batch norm it trained on for both
+    # rounds (its own statistics continued, never reset to the global ones).
+    images = next(iter(test_loader(bundle, data)))["image"]
+    with torch.no_grad():
+        net.load_state_dict({k: torch.as_tensor(v) for k, v in w.items()})
+        global_out = net.eval()(images)
+        for site in ("site-1", "site-2"):
+            st = setup_site(bundle, data, site, batch_size=TINY["batch_size"], seed=spec.seed)
+            own = personal_model(w, run_dir.parents[2] / "ws.state" / f"{site}.pt")
+            assert set(own) == set(w)
+            assert all(np.array_equal(own[k].numpy(), w[k]) for k in set(w) - bn)
+            counts = {int(own[k]) for k in bn if k.endswith("num_batches_tracked")}
+            assert counts == {TINY["rounds"] * len(st.context().train)}, site
+            net.load_state_dict(own)
+            assert not torch.allclose(net.eval()(images), global_out, atol=1e-4), site
+
     reported = evaluate_global(run_dir, bundle, data, "last")
     out = export_bundle(bundle, run_dir / "app_server" / "FL_global_model.pt", tmp_path / "exported")
     scripted = torch.jit.load(str(out / "models" / "model.ts"), map_location="cpu")
     scored = evaluate(scripted, test_loader(bundle, data), "multilabel", tuple(reported["per_class"]))
     for cls, m in reported["per_class"].items():
         assert scored["per_class"][cls]["auroc"] == pytest.approx(m["auroc"], abs=1e-6), cls
+
+    # a hospital's deployable bundle: `fedlabels export --site-state` puts its own batch norm in
+    state_file = run_dir.parents[2] / "ws.state" / "site-1.pt"
+    mine = tmp_path / "site-1"
+    subprocess.run([str(Path(sys.executable).with_name("fedlabels")), "export", "--bundle", spec.bundle, "--ckpt",
+                    str(run_dir / "app_server" / "FL_global_model.pt"), "--site-state", str(state_file),
+                    "--out", str(mine)], check=True, capture_output=True)
+    exported = torch.load(mine / "models" / "model.pt", weights_only=True)
+    own = personal_model(w, state_file)
+    assert all(torch.equal(exported[k], own[k]) for k in own)
+    assert any(not np.array_equal(exported[k].numpy(), w[k]) for k in bn)
+    meta = json.loads((mine / "configs" / "metadata.json").read_text())
+    assert meta["provenance"]["site_state"] == str(state_file)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import fedlabels.methods as methods
 from fedlabels.losses import pos_weight_from_counts, pos_weights
 from fedlabels.methods import Update
 from fedlabels.methods.aggregate import average_keys, classwise_head_mean, weighted_mean
-from fedlabels.methods.base import SiteContext, load_weights, site_seed, to_numpy
+from fedlabels.methods.base import SiteContext, load_weights, local_keys, personal_model, site_seed, to_numpy
 from fedlabels.methods.fedavg import FedAvgClient, FedAvgServer
 from fedlabels.methods.fedpsl import FedPSLClient, TDMAServer
 from fedlabels.methods.surgical import SurgicalClient, SurgicalServer
@@ -428,21 +428,20 @@ def test_fedavg_sends_and_averages_bn_statistics():
                                / (u1.n + u2.n), rtol=1e-6)
 
 
-def test_fedbn_sends_bn_but_keeps_its_own_across_rounds():
+def test_fedbn_keeps_its_own_bn_across_rounds_and_declares_it_local():
     client, net = _bn_client("fedbn")
     bn = set(batchnorm_keys(net))
-    assert client.bn_keys == bn and client.local_keys == set()  # kept at the site, yet sent
+    assert client.local_keys == bn == set(local_keys(net, "fedbn"))
     glob = to_numpy(net.state_dict())
     glob["features.1.running_mean"] = np.full(3, 5.0, dtype=np.float32)
     client.receive(glob)  # first contact: the global BN initialises the site
     assert torch.all(net.features[1].running_mean == 5.0)
     update = client.train(glob, 0)
-    assert bn <= set(update.weights)  # sent, so the saved global model carries learned statistics
-    assert "features.0.weight" in update.weights and "head.weight" in update.weights
+    # the rule returns its whole state; the transport withholds local_keys (FLARE: ExcludeVars)
+    assert set(update.weights) == set(glob)
     local_bn = {k: v for k, v in state(net).items() if k in bn}
-    np.testing.assert_array_equal(update.weights["features.1.running_mean"],
-                                  local_bn["features.1.running_mean"].numpy())
     assert not torch.all(local_bn["features.1.running_mean"] == 5.0)
+    assert set(client.state_dict()["bn"]) == bn  # kept in the site's state file
     new_glob = {k: np.full_like(v, 9) for k, v in glob.items()}
     client.receive(new_glob)
     for k, v in state(net).items():
@@ -451,33 +450,70 @@ def test_fedbn_sends_bn_but_keeps_its_own_across_rounds():
         else:
             assert torch.all(v == 9), k
     # The next round trains on from the site's own statistics: 3 batches on top of its 3, not the global 9.
-    u1 = client.train(new_glob, 1)
-    assert int(u1.weights["features.1.num_batches_tracked"]) == 6
-    # The server averages the sites' BN by n_k, like every other key.
+    client.train(new_glob, 1)
+    assert int(net.features[1].num_batches_tracked) == 6
+    # What reaches the server has no BN: the server keeps its own (initial) value of those keys.
     other, _ = _bn_client("fedbn", seed=1)
-    u_other = other.train(glob, 0)
-    out = FedAvgServer().aggregate([update, u_other], glob, 0)
-    for k in ("features.1.running_mean", "features.1.running_var", "features.1.weight"):
-        np.testing.assert_allclose(out[k], (update.n * update.weights[k] + u_other.n * u_other.weights[k])
-                                   / (update.n + u_other.n), rtol=1e-6, err_msg=k)
+    sent = [Update(u.site, {k: v for k, v in u.weights.items() if k not in client.local_keys}, u.n)
+            for u in (update, other.train(glob, 0))]
+    out = FedAvgServer().aggregate(sent, glob, 0)
+    for k in bn:
+        np.testing.assert_array_equal(out[k], glob[k], err_msg=k)
+    np.testing.assert_allclose(out["features.0.weight"], (sent[0].n * sent[0].weights["features.0.weight"]
+                               + sent[1].n * sent[1].weights["features.0.weight"]) / (sent[0].n + sent[1].n), rtol=1e-6)
 
 
 def test_fedbn_plus_freezes_bn_and_keeps_it_local():
     client, net = _bn_client("fedbn_plus")
     bn = set(batchnorm_keys(net))
-    assert client.local_keys == bn
+    assert client.local_keys == bn == set(local_keys(net, "fedbn+"))
+    assert local_keys(net, "fedavg") == []
     glob = to_numpy(net.state_dict())
     before = state(net)
-    update = client.train(glob, 0)
+    client.train(glob, 0)
     for k in bn:
         assert torch.equal(state(net)[k], before[k]), k  # statistics and affine frozen
-        assert k not in update.weights
     assert not net.features[1].training
     assert not torch.equal(net.features[0].weight, before["features.0.weight"])
-    moved = {k: v + 1 if v.dtype.kind == "f" else v for k, v in glob.items()}
-    out = FedAvgServer().aggregate([update], moved, 0)
-    for k in bn:
-        np.testing.assert_array_equal(out[k], moved[k], err_msg=k)  # the server never sees it
+
+
+def _bn_state_file(path, bn: dict):
+    torch.save({"round": 1, "run": "r", "state": {"received": True, "optimizer": None, "bn": bn}}, path)
+    return path
+
+
+def test_personal_model_is_the_global_model_with_the_sites_own_bn(tmp_path):
+    glob = {"conv.weight": np.arange(6, dtype=np.float32).reshape(2, 3), "bn.weight": np.ones(2, np.float32),
+            "bn.running_mean": np.zeros(2, np.float32), "bn.num_batches_tracked": np.array(0)}
+    own = {"bn.weight": torch.tensor([2.0, 3.0]), "bn.running_mean": torch.tensor([0.5, -0.5]),
+           "bn.num_batches_tracked": torch.tensor(7)}
+    out = personal_model(glob, _bn_state_file(tmp_path / "site-1.pt", own))
+    assert set(out) == set(glob)
+    assert out["conv.weight"].tolist() == glob["conv.weight"].tolist()
+    assert out["bn.weight"].tolist() == [2.0, 3.0] and out["bn.running_mean"].tolist() == [0.5, -0.5]
+    assert int(out["bn.num_batches_tracked"]) == 7 and out["bn.weight"].dtype == torch.float32
+    assert glob["bn.weight"].tolist() == [1.0, 1.0]  # the caller's global model is untouched
+    # a global model loaded as tensors (FL_global_model.pt) works the same
+    assert personal_model({k: torch.as_tensor(v) for k, v in glob.items()}, tmp_path / "site-1.pt")[
+        "bn.running_mean"].tolist() == [0.5, -0.5]
+
+
+def test_personal_model_says_which_state_file_cannot_give_batch_norm(tmp_path):
+    glob = {"conv.weight": np.zeros((2, 3), np.float32), "bn.weight": np.ones(2, np.float32)}
+    empty = _bn_state_file(tmp_path / "fedavg-site.pt", {})
+    with pytest.raises(ValueError, match=r"fedavg-site\.pt: field 'state\.bn': no batch-norm keys"):
+        personal_model(glob, empty)
+    other = _bn_state_file(tmp_path / "other-net.pt", {"bn.weight": torch.ones(4)})
+    with pytest.raises(ValueError, match=r"other-net\.pt: field 'state\.bn': bn\.weight has shape \(4,\)"):
+        personal_model(glob, other)
+    foreign = _bn_state_file(tmp_path / "foreign.pt", {"norm9.weight": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"foreign\.pt: .*not in the global model"):
+        personal_model(glob, foreign)
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=r"junk\.pt: not a site state file"):
+        personal_model(glob, tmp_path / "junk.pt")
+    with pytest.raises(ValueError, match=r"missing\.pt: not a site state file"):
+        personal_model(glob, tmp_path / "missing.pt")
 
 
 def test_fedbn_plus_refuses_batch_norm_without_a_pretrained_checkpoint():
@@ -689,13 +725,13 @@ def test_surgical_client_round_flow_and_bn_policy():
     # The paper's feature rule f is the client's bn_policy.
     bn = set(batchnorm_keys(net))
     plain = client_of("surgical", make_net(bn=True), data)
-    assert plain.bn_policy == "fedavg" and plain.bn_keys == set() and plain.local_keys == set()
+    assert plain.bn_policy == "fedavg" and plain.local_keys == set()
     fedbn = client_of("surgical", make_net(bn=True), data, bn_policy="fedbn")
-    assert fedbn.bn_policy == "fedbn" and fedbn.bn_keys == bn and fedbn.local_keys == set()
+    assert fedbn.bn_policy == "fedbn" and fedbn.local_keys == bn
     plus = client_of("surgical", make_net(bn=True, pretrained=True), data, bn_policy="fedbn+")
     assert plus.bn_policy == "fedbn+" and plus.local_keys == bn
     u = plus.train(glob, 0)
-    assert not bn & set(u.weights) and "head.weight" in u.weights
+    assert set(u.weights) == set(glob)  # the whole state: the transport withholds local_keys
     with pytest.raises(ValueError, match="bn_policy"):
         client_of("surgical", make_net(), data, bn_policy="fedprox")
     with pytest.raises(ValueError, match="feature_rule"):  # the removed option fails by name

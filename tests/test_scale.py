@@ -82,18 +82,20 @@ def test_transfer_option_adds_nvflare_filters_both_ways(tmp_path):
     half = export(dataclasses.replace(JOBS["fedavg_cxr"], transfer="float16"), tmp_path / "half")
     full = export(JOBS["fedavg_cxr"], tmp_path / "full")
     paths = "nvflare.app_opt.pt.quantization.{}"
-    expect = {"server": {"task_data_filters": paths.format("quantizer.ModelQuantizer"),
-                         "task_result_filters": paths.format("dequantizer.ModelDequantizer")},
-              "client": {"task_data_filters": paths.format("dequantizer.ModelDequantizer"),
-                         "task_result_filters": paths.format("quantizer.ModelQuantizer")}}
+    record = "fedlabels.flare.sent.SentRecord"  # every job's last result filter: the site's audit record
+    expect = {"server": {"task_data_filters": [paths.format("quantizer.ModelQuantizer")],
+                         "task_result_filters": [paths.format("dequantizer.ModelDequantizer")]},
+              "client": {"task_data_filters": [paths.format("dequantizer.ModelDequantizer")],
+                         "task_result_filters": [paths.format("quantizer.ModelQuantizer"), record]}}
     for side, filters in expect.items():
         cfg = json.loads((half / "app" / "config" / f"config_fed_{side}.json").read_text())
-        for key, path in filters.items():
-            (chain,) = cfg[key]
-            assert [f["path"] for f in chain["filters"]] == [path]
-            assert {"train", "validate"} <= set(chain["tasks"])  # nvflare matches filters by task name
+        for key, want in filters.items():
+            assert [f["path"] for chain in cfg[key] for f in chain["filters"]] == want
+            assert all({"train", "validate"} <= set(chain["tasks"]) for chain in cfg[key])  # matched by task name
         plain = json.loads((full / "app" / "config" / f"config_fed_{side}.json").read_text())
-        assert not plain.get("task_data_filters") and not plain.get("task_result_filters")
+        left = [f["path"] for key in ("task_data_filters", "task_result_filters") for chain in plain.get(key, [])
+                for f in chain["filters"]]
+        assert left == ([record] if side == "client" else [])
     assert json.loads((half / "app" / "custom" / "fedlabels.json").read_text())["transfer"] == "float16"
 
 

@@ -85,7 +85,7 @@ def cmd_export(args):
     if not args.ckpt and not args.run:
         raise ValueError("export needs --ckpt MODEL or --run RUN_DIR (its best global model)")
     ckpt = args.ckpt or os.path.join(args.run, "app_server", "best_FL_global_model.pt")
-    out = export_bundle(args.bundle, ckpt, args.out, data=args.data, run=args.run)
+    out = export_bundle(args.bundle, ckpt, args.out, data=args.data, run=args.run, site_state=args.site_state)
     _say(f"exported bundle: {out}")
     if args.data:
         meta = json.loads(open(os.path.join(out, "configs", "metadata.json")).read())
@@ -174,6 +174,8 @@ def build_parser(flare: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--run", help="the federated run's server folder: method, rounds and model kind in the metadata")
     s.add_argument("--data", help="scenario folder: decision thresholds from its validation cases, test metrics with "
                                    "confidence intervals, the sites' label table and the model card")
+    s.add_argument("--site-state", help="a FedBN site's fedlabels_state/<site>.pt: export the global model with that "
+                                         "site's own batch norm (the global model's was never trained)")
     s.set_defaults(fn=cmd_export)
 
     s = sub.add_parser("baseline", help="non-federated references: local learning, centralized, oracle")

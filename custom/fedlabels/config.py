@@ -7,7 +7,11 @@ a wrong field fails with the file and field named.
     {"method": "surgical", "bundle": "cxr_densenet121",
      "client": {"lr": 0.001, "warmup_epochs": 3}, "server": {"weighted": false},
      "network": {"out_channels": 6}, "data": {"family": "cxr", "synth": {"cases": 40}, "batch_size": null},
-     "seed": 0, "key_metric": null, "min_sites": 1, "transfer": "float32"}
+     "seed": 0, "key_metric": null, "min_sites": 1, "transfer": "float32",
+     "privacy": {"noise_multiplier": 1.0, "clip": 6.0, "delta": 1e-05}}
+
+``privacy`` (empty or absent: off) noises the label summary each site shares
+(``fedlabels.privacy``).
 """
 
 from __future__ import annotations
@@ -45,9 +49,13 @@ class RunConfig:
     min_sites: int = 1
     faults: list = field(default_factory=list)   # fault drills "SITE:KIND:ROUND" (flare/client.py)
     transfer: str = "float32"                    # weights on the wire; "float16": nvflare's quantization filters
+    privacy: dict = field(default_factory=dict)  # noise_multiplier, clip, delta: the label summary leaves noised
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        doc = dataclasses.asdict(self)
+        if not doc["privacy"]:
+            del doc["privacy"]  # off is left out: configurations written before the option stay as they were
+        return doc
 
     def save(self, path) -> Path:
         path = Path(path)
@@ -76,7 +84,7 @@ class RunConfig:
         if "method" not in doc:
             raise ConfigError(path, "method", "missing")
         types = {"method": str, "bundle": str, "client": dict, "server": dict, "network": dict, "data": dict,
-                 "seed": int, "min_sites": int, "faults": list, "transfer": str}
+                 "seed": int, "min_sites": int, "faults": list, "transfer": str, "privacy": dict}
         for name, typ in types.items():
             if name in doc and not isinstance(doc[name], typ) or isinstance(doc.get(name), bool) and typ is int:
                 raise ConfigError(path, name, f"expected {typ.__name__}, got {type(doc[name]).__name__}")
@@ -108,6 +116,13 @@ class RunConfig:
             raise ConfigError(path, "min_sites", "must be >= 1")
         if self.transfer not in TRANSFERS:
             raise ConfigError(path, "transfer", f"must be one of {TRANSFERS}, not {self.transfer!r}")
+        if self.privacy:
+            from . import privacy
+
+            try:
+                privacy.options(self.privacy)
+            except privacy.OptionError as e:
+                raise ConfigError(path, f"privacy.{e.key}" if e.key else "privacy", str(e)) from None
 
     def metric(self, task: str) -> str:
         return self.key_metric or KEY_METRICS[task]

@@ -34,6 +34,15 @@ def setups(bundle, data, sites=None, batch_size=None, seed=0, oracle=False, netw
                           strong_view=bool(m and m.strong_view)) for s in names}
 
 
+def site_round(client, setup: SiteSetup, weights: dict, rnd: int, extras: dict):
+    """A site's part of a round in-process, as the server receives it from a FLARE site: without the keys
+    the site keeps (``client.local_keys``), which a FLARE job withholds with nvflare's ExcludeVars result
+    filter. The in-process stand-in for that filter, so both transports aggregate the same keys."""
+    update = train_task(client, setup, weights, rnd, extras)
+    update.weights = {k: v for k, v in update.weights.items() if k not in client.local_keys}
+    return update
+
+
 def federate(method: str, site_setups: dict, rounds: int, seed=0, log=print, client_options=None,
              server_options=None, key_metric=None, min_sites=1, on_round=None) -> dict:
     """Run ``rounds`` of a method in-process through the round engine (``fedlabels.engine``),
@@ -54,7 +63,7 @@ def federate(method: str, site_setups: dict, rounds: int, seed=0, log=print, cli
             log(f"[{method}] {line}")
 
     def send(step, targets, weights, rnd, extras):
-        return [train_task(clients[s], site_setups[s], weights, rnd, extras) for s in targets]
+        return [site_round(clients[s], site_setups[s], weights, rnd, extras) for s in targets]
 
     def say(level, msg):
         if log:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import contextlib
+import copy
 import dataclasses
 
 import torch
@@ -38,6 +39,7 @@ class SiteSetup:
     seed: int = 0
     device: str = "cpu"
     oracle: bool = False  # the site trains on its full labels (oracle.json): an upper-bound run
+    released: dict | None = None  # the noised label summary (release_summary), when the run asks for privacy
 
     @property
     def profile(self):
@@ -51,8 +53,24 @@ class SiteSetup:
         return self.site.oracle()["training"] if self.oracle else list(self.site.training)
 
     def summary(self) -> dict:
-        """The label summary of what the site trains on (what it tells the server)."""
+        """The label summary of what the site trains on (what it tells the server).
+
+        After ``release_summary`` it is the one noised release: the site's own
+        method sees the same numbers as the server (positive weights, the
+        labeled flag), so a client rule cannot send the exact counts by mistake
+        and the server's plan (who is labeled) agrees with every site's."""
+        if self.released is not None:
+            return copy.deepcopy(self.released)
         return label_summary(self.profile, self.items()) if self.oracle else self.site.summary()
+
+    def release_summary(self, options: dict, store=None, seed=None) -> tuple:
+        """Noise the label summary once for this run (``fedlabels.privacy``); from now on
+        ``summary()`` and ``context()`` give it. Returns its (epsilon, delta) report and
+        whether the release was reused from ``store``."""
+        from . import privacy
+
+        self.released, reused = privacy.release(self.profile, self.items(), privacy.options(options), store, seed)
+        return self.released[privacy.REPORT], reused
 
     def context(self) -> SiteContext:
         return SiteContext(self.profile, self.train_loader, self.summary(), self.val_loader, self.seed,

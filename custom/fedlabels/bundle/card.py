@@ -172,22 +172,18 @@ def test_report(task: str, probs, labels, classes, thresholds: dict) -> dict:
 # ------------------------------------------------------------- evidence
 
 
-def label_table(data, classes, sites=None) -> dict:
-    """Per site: training cases, and per class the annotated and positive counts (what the
-    site's label summary says)."""
-    scenario = load_scenario(data, sites=sites, check_files=False, with_test=False)
-    table = {}
-    for name, site in scenario.sites.items():
-        s = site.summary()
-        table[name] = {"cases": s["cases"], "supervision": s["supervision"],
-                       "annotated": dict(zip(classes, s["annotated"])),
-                       "positives": dict(zip(classes, s["positives"]))}
-    return table
+def label_table(summaries: dict, classes) -> dict:
+    """Per site: training cases, and per class the annotated and positive counts, from the
+    sites' label summaries (``profile.label_summary``)."""
+    return {name: {"cases": s["cases"], "supervision": s["supervision"],
+                   "annotated": dict(zip(classes, s["annotated"])), "positives": dict(zip(classes, s["positives"]))}
+            for name, s in summaries.items()}
 
 
-def evidence(net, bundle, data, classes, sites=None, image_size=None, device="cpu") -> dict:
+def evidence(net, bundle, data, classes, sites=None, summaries=None, image_size=None, device="cpu") -> dict:
     """Thresholds from the validation splits of ``sites`` (default: all the scenario's) and
-    the test report of ``net`` on scenario ``data``."""
+    the test report of ``net`` on scenario ``data``; the label table from ``summaries`` (what
+    the run's server received), else from the scenario's sites."""
     scenario = load_scenario(data, check_files=False, with_test=False)
     task = scenario.task
     if list(scenario.classes) != list(classes):
@@ -200,7 +196,10 @@ def evidence(net, bundle, data, classes, sites=None, image_size=None, device="cp
                               "segmentation": "best mean Dice on the pooled site validation cases",
                               "multiclass": "none: the class with the highest probability"}[task],
            "validation_cases": 0 if vp is None else len(vp),
-           "label_table": label_table(data, classes, sites)}
+           "label_table": label_table(summaries or {name: site.summary() for name, site in load_scenario(
+               data, sites=sites, check_files=False, with_test=False).sites.items()}, classes),
+           "label_table_source": "the run's label_summaries.json (as the server received them)" if summaries
+           else f"the scenario's site folders ({scenario.root})"}
     tp, tl = _predictions(net, bundle, data, "test", image_size=image_size, device=device)  # None: no test split (a hospital's folder)
     out["test"] = None if tp is None else test_report(task, tp, tl, classes, thresholds)
     return out
@@ -250,13 +249,15 @@ def model_card(meta: dict) -> str:
     prov = meta.get("provenance", {})
     lines += ["## Training", ""]
     for key, label in (("method", "Federated method"), ("rounds", "Rounds completed"), ("checkpoint_kind", "Model"),
-                       ("scenario", "Training scenario")):
+                       ("site_state", "Batch norm of one site (FedBN), from"), ("scenario", "Training scenario")):
         value = prov.get(key, training.get(key))
         if value is not None:
             lines.append(f"- {label}: {value}")
     table = training.get("label_table") or {}
     if table:
-        lines += ["", "Which site annotated which class (annotated cases / positives; 0 = not annotated there):", "",
+        source = training.get("label_table_source")
+        lines += ["", "Which site annotated which class (annotated cases / positives; 0 = not annotated there"
+                  + (f"; from {source}" if source else "") + "):", "",
                   "| site | cases | " + " | ".join(classes) + " |", "|---|---|" + "---|" * len(classes)]
         for site, row in table.items():
             cells = [f"{row['annotated'][c]} / {row['positives'][c]}" for c in classes]

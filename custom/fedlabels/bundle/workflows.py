@@ -297,7 +297,7 @@ def _inference_parser(bundle: Path, **overrides):
 
 
 def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = None, metrics: dict | None = None,
-                  provenance: dict | None = None, check: bool = True, data=None, run=None) -> Path:
+                  provenance: dict | None = None, check: bool = True, data=None, run=None, site_state=None) -> Path:
     """Write a deployable copy of ``bundle`` at ``out`` with the weights of ``ckpt``.
 
     * ``models/model.pt`` -- the plain state dict (MONAI bundle spec);
@@ -310,7 +310,10 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
       intervals, the sites' label table (``bundle.card``) in the metadata, and
       the model card ``docs/README.md`` written from them;
     * with ``run`` (a federated run's server folder): the method, the rounds
-      completed and which model (best or last) in the provenance.
+      completed and which model (best or last) in the provenance;
+    * with ``site_state`` (a FedBN site's ``fedlabels_state/<site>.pt``): the
+      site's own batch norm replaces the global model's, which no site trained
+      (``methods.base.personal_model``).
 
     ``class_names`` / ``image_size`` override the bundle's defaults (a scenario
     with other classes or a model trained at another size); the inference
@@ -325,6 +328,11 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
     if out == bundle:
         raise ValueError(f"{out}: export into a new folder, not over the source bundle")
     state = load_state_dict(ckpt)
+    if site_state is not None:
+        from ..methods.base import personal_model
+
+        state = personal_model(state, site_state)
+        provenance = {**(provenance or {}), "site_state": str(site_state)}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))  # same filesystem: atomic swap
@@ -367,8 +375,8 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
         if data is not None:
             from . import card
 
-            _add_evidence(meta, card.evidence(net, bundle, data, names, sites=provenance.get("sites"),
-                                               image_size=infer["image_size"]))
+            _add_evidence(meta, card.evidence(net, bundle, data, names, sites=_local(data, provenance.get("sites")),
+                                               summaries=_summaries(run), image_size=infer["image_size"]))
             meta_path.write_text(json.dumps(meta, indent=4) + "\n")
             readme = staging / "docs" / "README.md"
             readme.write_text(card.model_card(meta) + "\n---\n\n" + readme.read_text())
@@ -421,8 +429,8 @@ def _update_metadata(meta, names, image_size, in_channels, metrics, provenance, 
 def _add_evidence(meta: dict, ev: dict) -> None:
     meta["task"] = ev["task"]
     meta["decision_thresholds"] = ev["decision_thresholds"]
-    meta["training"] = {k: ev[k] for k in ("scenario", "scenario_dir", "label_table", "threshold_rule",
-                                           "validation_cases")}
+    meta["training"] = {k: ev[k] for k in ("scenario", "scenario_dir", "label_table", "label_table_source",
+                                           "threshold_rule", "validation_cases")}
     meta["test_metrics"] = ev["test"]
     if ev["test"]:  # the schema's flat name -> score view
         for name, m in ev["test"]["per_class"].items():
@@ -431,6 +439,17 @@ def _add_evidence(meta: dict, ev: dict) -> None:
                     meta["eval_metrics"][f"test_{key}/{name}"] = m[key]
         if ev["test"].get("accuracy"):
             meta["eval_metrics"]["test_accuracy"] = ev["test"]["accuracy"]["value"]
+
+
+def _summaries(run) -> dict | None:
+    """The label summaries the run's server received (``label_summaries.json``), if recorded."""
+    path = Path(run) / "label_summaries.json" if run else None
+    return json.loads(path.read_text()) if path and path.is_file() else None
+
+
+def _local(data, sites):
+    """The run's sites that have a folder in ``data`` (a hospital holds only its own)."""
+    return None if sites is None else [s for s in sites if (Path(data) / s).is_dir()] or None
 
 
 def run_provenance(run, ckpt) -> dict:

@@ -13,16 +13,14 @@ variable (each real site sets its own); neither -> the embedded synthetic
 scenario of the configuration's ``data.family``, generated on first use.
 Where the site keeps its state between rounds (for resuming):
 ``FEDLABELS_STATE`` (default ``./fedlabels_state`` in the site's workspace).
-What the site sent, one JSON line per reply (task, round, every weight's
-shape and dtype, the metadata and metric fields with their values, bytes):
-``FEDLABELS_SENT`` (default ``./fedlabels_sent/<site>.jsonl``), so a hospital
-can audit exactly what left it.
+What the site sent is recorded after nvflare's result filters, as it leaves
+(``fedlabels.flare.sent``): FedBN's batch norm, for one, is removed by a
+filter from the whole state dict this script hands to nvflare.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -35,6 +33,7 @@ from .. import methods
 from ..bundle import bundle_path
 from ..config import FILE, RunConfig
 from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, REASON, RESUME, to_numpy
+from ..privacy import describe
 from ..profile import ScenarioError
 from ..site import flat_metrics, load_state, save_state, setup_site, train_task, validate_task
 from .controller import FATAL, RUN, SUMMARY, THREADS, VERSIONS, on_the_wire, versions
@@ -89,39 +88,11 @@ def prepare(cfg: RunConfig, args, site: str, here: Path | None):
                        strong_view=method.strong_view, oracle=bool(cfg.data.get("oracle")))
     if setup.task not in method.tasks:
         raise ValueError(f"method {method.name!r} handles {method.tasks}, not the scenario's task {setup.task!r}")
+    if cfg.privacy:  # the label summary is noised once, kept with the site's state, sent as is (fedlabels.privacy)
+        store = Path(os.environ.get("FEDLABELS_STATE", "fedlabels_state")) / f"{site}.privacy.json"
+        report, reused = setup.release_summary(cfg.privacy, store)
+        print(f"[{site}] {describe(report)}" + (f"; reused from {store}" if reused else ""), flush=True)
     return setup, method.make_client(setup.net, setup.context(), **cfg.client)
-
-
-def _describe(value):
-    if hasattr(value, "shape") and hasattr(value, "dtype"):
-        return {"shape": list(value.shape), "dtype": str(value.dtype)}
-    if isinstance(value, dict):
-        return {k: _describe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_describe(v) for v in value]
-    return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
-
-
-def _nbytes(value) -> int:
-    if hasattr(value, "nbytes"):
-        return int(value.nbytes)
-    if isinstance(value, dict):
-        return sum(_nbytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 0
-
-
-def record_sent(path: Path, task: str, rnd, run, model: FLModel) -> None:
-    """Append what this reply carries to the site's audit record (arrays by shape, not value)."""
-    params = model.params or {}
-    entry = {"time": time.time(), "run": run, "task": task, "round": rnd,
-             "weights": {k: _describe(v) for k, v in params.items()},
-             "meta": _describe(model.meta or {}), "metrics": _describe(model.metrics or {}),
-             "array_bytes": _nbytes(params) + _nbytes(model.meta or {})}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fh.write(json.dumps(entry) + "\n")
 
 
 def size_threads(meta: dict) -> None:
@@ -137,18 +108,12 @@ def main(argv=None, here: Path | None = None):
     flare.init()
     site = flare.get_site_name()
     state_path = Path(os.environ.get("FEDLABELS_STATE", "fedlabels_state")) / f"{site}.pt"
-    sent_path = Path(os.environ.get("FEDLABELS_SENT", "fedlabels_sent")) / f"{site}.jsonl"
-
-    def send(task, rnd, reply: FLModel):
-        record_sent(sent_path, task, rnd, (meta or {}).get(RUN), reply)
-        flare.send(reply)
-
     cfg, fatal = None, None
     first_task = True
     try:
         cfg = RunConfig.load(Path(args.config) if here is None else here / args.config)
         setup, client = prepare(cfg, args, site, here)
-        print(f"[{site}] {cfg.method} on {setup.scenario.name}: {setup.summary()['cases']} training cases, "
+        print(f"[{site}] {cfg.method} on {setup.scenario.name}: {len(setup.items())} training cases, "
               f"annotates {list(setup.site.profile.annotated) or 'nothing'}; client options {cfg.client}", flush=True)
     except (ScenarioError, ValueError, FileNotFoundError) as e:
         fatal = str(e)
@@ -159,7 +124,7 @@ def main(argv=None, here: Path | None = None):
             break
         meta = model.meta or {}
         if fatal:
-            send("fatal", model.current_round, FLModel(params={}, meta={FATAL: fatal}))
+            flare.send(FLModel(params={}, meta={FATAL: fatal}))
             continue
         t0 = time.time()
         if first_task:
@@ -172,7 +137,7 @@ def main(argv=None, here: Path | None = None):
                     and load_state(state_path, client, before=rnd, run=meta[RUN])):
                 print(f"[{site}] continued its state of this run from {state_path}", flush=True)
         if flare.is_train() and meta.get(PHASE) == "summary":
-            send("summary", None, FLModel(params={}, meta={SUMMARY: setup.summary(), VERSIONS: versions()}))
+            flare.send(FLModel(params={}, meta={SUMMARY: setup.summary(), VERSIONS: versions()}))
         elif flare.is_train():
             rnd = model.current_round
             if site in (meta.get(RESUME) or []):
@@ -183,7 +148,7 @@ def main(argv=None, here: Path | None = None):
             out = {**update.meta, N: update.n, ABSTAIN: update.abstain, REASON: update.reason, EXTRAS: update.extras,
                    "NUM_STEPS_CURRENT_ROUND": update.n}
             weights, out = inject_fault(cfg.faults, site, rnd, update.weights, out)
-            send("train", rnd, FLModel(params=on_the_wire(weights, cfg.transfer), metrics=update.metrics, meta=out))
+            flare.send(FLModel(params=on_the_wire(weights, cfg.transfer), metrics=update.metrics, meta=out))
             scores = {k: v for k, v in update.metrics.items() if k.startswith("val_") and "/" not in k}
             print(f"[{site}] round {rnd}: n={update.n}" + (f" stopped: {update.reason}" if update.reason else
                   " abstained" if update.abstain else
@@ -191,11 +156,9 @@ def main(argv=None, here: Path | None = None):
                   + f" received model: {scores} ({time.time() - t0:.1f}s)", flush=True)
         elif flare.is_evaluate():
             result = validate_task(client, setup, model.params)
-            send("validate", model.current_round,
-                 FLModel(metrics=flat_metrics(result) or {"val_cases": 0.0}, meta={"evaluation": result}))
-        elif flare.is_submit_model():
-            send("submit_model", model.current_round,
-                 FLModel(params=on_the_wire(to_numpy(client.net.state_dict()), cfg.transfer)))
+            flare.send(FLModel(metrics=flat_metrics(result) or {"val_cases": 0.0}, meta={"evaluation": result}))
+        elif flare.is_submit_model():  # the whole state dict: the job's filters withhold what the site keeps
+            flare.send(FLModel(params=on_the_wire(to_numpy(client.net.state_dict()), cfg.transfer)))
         first_task = False
 
 

@@ -15,7 +15,9 @@ Outputs in the server's run folder: ``FL_global_model.pt`` (last, written by
 the persistor), ``best_FL_global_model.pt``, ``metrics.jsonl`` (one line per
 round: per-site losses and per-class validation metrics, dropped and
 abstaining sites), ``progress.json`` and ``fedlabels_server_state.pt`` (for
-resuming), ``cross_site_eval.json`` and TensorBoard events under ``tb/``.
+resuming), ``cross_site_eval.json``, ``label_summaries.json`` (each site's
+label summary as the server received it: the exported bundle's label table)
+and TensorBoard events under ``tb/``.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ from .. import methods
 from ..config import FILE, RunConfig
 from ..engine import NoProgress, RoundEngine
 from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, REASON, RESUME, Update
+from ..privacy import server_lines
 from ..profile import write_atomic, write_json_atomic
 
 FATAL = "fatal_error"
 SUMMARY = "label_summary"
+SUMMARIES_FILE = "label_summaries.json"  # in the run folder: what each site reported, for the model card
 THREADS = "threads"  # torch threads a simulated site should use
 RUN = "run_token"  # names this run: a site's saved state is continued only within its own run
 STATE = "fedlabels_server_state.pt"
@@ -210,6 +214,13 @@ class FedLabelsController(BaseFedAvg):
         summaries = self._handshake(clients)
         if summaries is None:
             return
+        try:  # what each site's noised label summary spent, once per run (fedlabels.privacy)
+            for line in server_lines(summaries, required=bool(cfg.privacy)):
+                self.info(line)
+        except ValueError as e:
+            self.panic(str(e))
+            return
+        write_json_atomic(self._path(SUMMARIES_FILE), summaries)
         task = next(iter(summaries.values()))["task"]
         key = cfg.metric(task)
         try:

@@ -5,6 +5,9 @@ A job differs from another only in its arguments: the server runs
 ``fedlabels.flare.client`` through the Client API, the bundle travels inside
 the job (``app/custom/<bundle>``) so sites read the same network and
 transforms, and the global model is persisted by nvflare's ``PTModel``.
+A site's replies pass nvflare result filters: ``ExcludeVars`` removes the keys
+its batch-norm policy keeps local (fedbn, fedbn+), and ``SentRecord``, last,
+writes the audit record of what leaves.
 
 The committed folders under ``nvflare_jobs/`` are exported from here
 (``fedlabels jobs``); a test fails when they drift.
@@ -18,15 +21,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nvflare.app_common.executors.client_api_executor import ClientAPIExecutor
+from nvflare.app_common.filters import ExcludeVars
 from nvflare.app_opt.pt.job_config.model import PTModel
 from nvflare.client.config import ExchangeFormat
 from nvflare.job_config.api import FedJob
+from nvflare.job_config.defs import FilterType
 
+from .. import methods
 from ..config import FILE, TRANSFERS, RunConfig
 from ..bundle import bundle_path, network
+from ..methods.base import local_keys
 from .controller import FedLabelsController
+from .sent import SentRecord
 
 REPO = Path(__file__).resolve().parents[3]
+# Every task a site answers (the client script). Filters are registered for named tasks:
+# nvflare 2.9 looks them up by task name, and "*" matches none.
+TASKS = ["train", "validate", "submit_model"]
 SHIM = Path(__file__).with_name("client_script.py")
 
 
@@ -53,6 +64,7 @@ class JobSpec:
     external_process: bool = False
     faults: list = field(default_factory=list)  # fault drills, "SITE:KIND:ROUND" (see client.py)
     transfer: str = "float32"  # "float16": weights quantized both ways by nvflare's filters
+    privacy: dict = field(default_factory=dict)  # noised label summaries (fedlabels.privacy); empty = off
 
     def config(self) -> RunConfig:
         return RunConfig(method=self.method, bundle=Path(self.bundle).name, client=dict(self.client),
@@ -60,7 +72,7 @@ class JobSpec:
                          data={"family": self.family, "synth": dict(self.synth), "batch_size": self.batch_size,
                                **({"oracle": True} if self.oracle else {})},
                          seed=self.seed, key_metric=self.key_metric, min_sites=self.min_sites, faults=list(self.faults),
-                         transfer=self.transfer)
+                         transfer=self.transfer, privacy=dict(self.privacy))
 
 
 # One job per federated method on the embedded cxr scenario (DenseNet121, 64 px).
@@ -121,8 +133,14 @@ def build_job(spec: JobSpec, workdir) -> FedJob:
         executor = ClientAPIExecutor(execution_mode="in_process", task_script_path=SHIM.name, task_script_args="",
                                      params_exchange_format=ExchangeFormat.NUMPY, server_expected_format=ExchangeFormat.NUMPY)
     job.to_clients(executor, tasks=["*"])
+    # Result filters at the sites run in this order: what a site keeps is removed first, then
+    # the weights are quantized, and the audit record sees the reply as it leaves.
+    keep = local_keys(net, methods.get(spec.method).client_options(**spec.client).get("bn_policy", "fedavg"))
+    if keep:
+        add_local_keys_filter(job, keep)
     if spec.transfer == "float16":
         add_half_precision_filters(job)
+    job.to_clients(SentRecord(), filter_type=FilterType.TASK_RESULT, tasks=TASKS)
     job.add_file_to_clients(str(SHIM))
     # One configuration file for both sides (the simulator and a POC/production deployment
     # both place it in the app's custom folder).
@@ -143,19 +161,22 @@ def _job_copy(bundle: Path, workdir) -> Path:
     return copy
 
 
+def add_local_keys_filter(job: FedJob, keys: list) -> None:
+    """The keys a site keeps (FedBN / FedBN+: its batch norm, ``methods.base.local_keys``) leave in no
+    task's result: nvflare's ExcludeVars removes them from every reply's weights at the site."""
+    job.to_clients(ExcludeVars(exclude_vars=sorted(keys)), filter_type=FilterType.TASK_RESULT, tasks=TASKS)
+
+
 def add_half_precision_filters(job: FedJob) -> None:
     """nvflare's own quantization filters, both directions: the sender quantizes to
     float16, the receiver restores float32 before any fedlabels code sees the weights."""
     from nvflare.app_opt.pt.quantization.dequantizer import ModelDequantizer
     from nvflare.app_opt.pt.quantization.quantizer import ModelQuantizer
-    from nvflare.job_config.defs import FilterType
 
-    # Named tasks: nvflare 2.9 looks filters up by task name, and "*" matches none.
-    tasks = ["train", "validate", "submit_model"]
-    job.to_server(ModelQuantizer(quantization_type="float16"), filter_type=FilterType.TASK_DATA, tasks=tasks)
-    job.to_server(ModelDequantizer(), filter_type=FilterType.TASK_RESULT, tasks=tasks)
-    job.to_clients(ModelDequantizer(), filter_type=FilterType.TASK_DATA, tasks=tasks)
-    job.to_clients(ModelQuantizer(quantization_type="float16"), filter_type=FilterType.TASK_RESULT, tasks=tasks)
+    job.to_server(ModelQuantizer(quantization_type="float16"), filter_type=FilterType.TASK_DATA, tasks=TASKS)
+    job.to_server(ModelDequantizer(), filter_type=FilterType.TASK_RESULT, tasks=TASKS)
+    job.to_clients(ModelDequantizer(), filter_type=FilterType.TASK_DATA, tasks=TASKS)
+    job.to_clients(ModelQuantizer(quantization_type="float16"), filter_type=FilterType.TASK_RESULT, tasks=TASKS)
 
 
 def export(spec: JobSpec, out_dir) -> Path:
@@ -164,11 +185,25 @@ def export(spec: JobSpec, out_dir) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         build_job(spec, tmp).export_job(tmp)
+        for config in (Path(tmp) / spec.name).glob("*/config/config_fed_*.json"):
+            _sort_filter_tasks(config)
         target = out_dir / spec.name
         if target.exists():
             shutil.rmtree(target)
         shutil.move(str(Path(tmp) / spec.name), target)
     return target
+
+
+def _sort_filter_tasks(config: Path) -> None:
+    """nvflare keeps a filter's tasks as a set, written in the process's hash order: sorted, an
+    export is the same file in every process (the committed folders are compared with one)."""
+    import json
+
+    doc = json.loads(config.read_text())
+    for chain in ("task_data_filters", "task_result_filters"):
+        for entry in doc.get(chain, []):
+            entry["tasks"] = sorted(entry["tasks"])
+    config.write_text(json.dumps(doc, indent=4))
 
 
 def run_cli(spec: JobSpec, argv=None) -> None:

@@ -17,11 +17,19 @@ them. Batch-norm policy (docs/methods.md):
 
 * ``fedavg`` -- BN affine parameters and running statistics are averaged;
 * ``fedbn``  -- a site trains with its own BN: after its first round it never
-  loads the global BN keys. It still sends them, and the server averages them
-  by n_k, so the global model that is saved, scored and exported carries the
-  sites' mean learned statistics (a site's training never sees that mean);
+  loads the global BN keys, and it never sends them;
 * ``fedbn+`` -- frozen in inference mode at the initial (pretrained,
   ``init_ckpt``) statistics; never sent, never aggregated.
+
+The keys a site keeps (``local_keys``: its batch norm under fedbn / fedbn+)
+are declared here and withheld by the transport, not by the client rule,
+whose update is always its whole state dict: in FLARE by nvflare's
+``ExcludeVars`` result filter at the site (``fedlabels.flare.job``), so they
+leave in no task's result; in-process by ``fedlabels.references.site_round``.
+The server keeps its own value of a key no update sent
+(``aggregate.average_keys``), so a FedBN global model carries the initial
+batch norm; a site's deployable model is the global weights with its own
+batch norm from its state file (``personal_model``).
 """
 
 from __future__ import annotations
@@ -147,6 +155,46 @@ def to_numpy(state: dict) -> dict:
     return {k: v.detach().cpu().numpy().copy() for k, v in state.items()}
 
 
+def local_keys(net: torch.nn.Module, bn_policy: str) -> list:
+    """The state-dict keys a site under ``bn_policy`` keeps to itself and never sends: its batch norm
+    under fedbn / fedbn+, nothing under fedavg."""
+    if bn_policy not in BN_POLICIES:
+        raise ValueError(f"bn_policy {bn_policy!r} is not one of {BN_POLICIES}")
+    return batchnorm_keys(net) if bn_policy in ("fedbn", "fedbn+") else []
+
+
+def personal_model(global_weights: dict, state_file) -> dict:
+    """A site's deployable FedBN model: ``global_weights`` with the site's own batch norm from its state file.
+
+    ``global_weights``: a global model's state dict (arrays or tensors; FedBN's carries the initial batch
+    norm, which no site trains with). ``state_file``: the site's ``fedlabels_state/<site>.pt``
+    (``fedlabels.site.save_state``), saved after the last round the site trained. Returns a new state
+    dict of tensors; raises ValueError naming the file when it holds no batch norm or batch norm that
+    does not fit the global model."""
+    import pickle
+    from pathlib import Path
+
+    path = Path(state_file)
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        bn = saved["state"]["bn"]
+    except (OSError, EOFError, KeyError, TypeError, RuntimeError, pickle.UnpicklingError) as e:
+        raise ValueError(f"{path}: not a site state file (fedlabels_state/<site>.pt): {e!r}") from None
+    if not bn:
+        raise ValueError(f"{path}: field 'state.bn': no batch-norm keys; the site kept none (it ran with "
+                         "bn_policy 'fedavg', or the network has no batch norm): use the global model as it is")
+    unknown = sorted(set(bn) - set(global_weights))
+    if unknown:
+        raise ValueError(f"{path}: field 'state.bn': keys {unknown[:3]} are not in the global model (another network?)")
+    out = {k: torch.as_tensor(np.asarray(v)) for k, v in global_weights.items()}
+    for k, v in bn.items():
+        if tuple(v.shape) != tuple(out[k].shape):
+            raise ValueError(f"{path}: field 'state.bn': {k} has shape {tuple(v.shape)}, the global model "
+                             f"{tuple(out[k].shape)} (another network?)")
+        out[k] = v.detach().clone().to(out[k].dtype)
+    return out
+
+
 def load_weights(net: torch.nn.Module, weights: dict, skip=()) -> None:
     """Copy received arrays into ``net`` in place, leaving keys in ``skip`` untouched."""
     own = net.state_dict()
@@ -169,8 +217,9 @@ class ClientRule:
     """Local training at one site.
 
     The generic loop: receive global weights, train ``epochs`` passes over the
-    site's training loader with ``loss()``, send the state dict minus the keys
-    the BN policy keeps at the site. Methods override ``loss``,
+    site's training loader with ``loss()``, return the whole state dict (the
+    transport withholds ``local_keys``, the batch norm the BN policy keeps at
+    the site). Methods override ``loss``,
     ``train_step`` or ``train``; ``train_step`` may return None for a batch it
     skips (not counted in n). ``pos_weighted`` (multi-label only; default on)
     weights each class's positives by N_neg / N_pos over the site's cases
@@ -199,9 +248,9 @@ class ClientRule:
         if self.pos_weighted:
             w = pos_weight_from_counts(ctx.summary[ANNOTATED], ctx.summary["positives"])
             self.pos_weight = torch.as_tensor(w, dtype=torch.float32, device=self.device)
-        self.bn_keys = set(batchnorm_keys(net)) if bn_policy in ("fedbn", "fedbn+") else set()
-        # Keys never sent: FedBN+'s frozen statistics (FedBN sends its own, see the module docstring).
-        self.local_keys = self.bn_keys if bn_policy == "fedbn+" else set()
+        # The site's own batch norm (fedbn: trained locally; fedbn+: frozen): kept in its state,
+        # never sent -- the transport withholds these keys (module docstring).
+        self.local_keys = set(local_keys(net, bn_policy))
         self.optimizer = None
         self.received = False
 
@@ -233,7 +282,7 @@ class ClientRule:
         """What the site keeps between rounds, for an exact resume."""
         return {"received": self.received,
                 "optimizer": None if self.optimizer is None else copy.deepcopy(self.optimizer.state_dict()),
-                "bn": {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items() if k in self.bn_keys}}
+                "bn": {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items() if k in self.local_keys}}
 
     def load_state_dict(self, state: dict) -> None:
         self.received = bool(state["received"])
@@ -251,7 +300,7 @@ class ClientRule:
 
     def receive(self, global_weights: dict) -> None:
         """Load the global model; FedBN keeps its own BN after the first round."""
-        skip = self.bn_keys if self.received and self.bn_policy == "fedbn" else set()
+        skip = self.local_keys if self.received and self.bn_policy == "fedbn" else set()
         load_weights(self.net, global_weights, skip)
         self.received = True
 
@@ -279,8 +328,7 @@ class ClientRule:
         return self.make_update(n, {"train_loss": float(np.mean(losses)) if losses else float("nan")})
 
     def make_update(self, n, metrics) -> Update:
-        weights = {k: v for k, v in to_numpy(self.net.state_dict()).items() if k not in self.local_keys}
-        return Update(self.profile.site, weights, n, dict(self.ctx.summary), metrics)
+        return Update(self.profile.site, to_numpy(self.net.state_dict()), n, dict(self.ctx.summary), metrics)
 
 
 class ServerRule:
