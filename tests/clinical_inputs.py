@@ -1,8 +1,9 @@
 """Input images the way a hospital has them, for the exported bundles' inference tests.
 
 ``write_inputs`` saves one 2D picture as PNG, as NIfTI (x, y array order, MONAI's
-convention, with a non-identity affine) and as DICOM (written with pydicom);
-``write_unreadable`` adds a file that is no image and a 3D volume.
+convention, with a non-identity affine) and as grey DICOM twice: MONOCHROME2, and
+MONOCHROME1 (stored inverted, as computed radiography often is); ``write_unreadable``
+adds a file that is no image and a 3D volume.
 """
 
 from __future__ import annotations
@@ -12,30 +13,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from fedlabels.data.dicom import write_dicom
+
 NIFTI_AFFINE = np.diag([0.5, 0.7, 1.0, 1.0])
 
 
-def write_dicom(path: Path, arr: np.ndarray) -> None:
-    from pydicom.dataset import Dataset, FileMetaDataset
-    from pydicom.uid import ExplicitVRLittleEndian, SecondaryCaptureImageStorage, generate_uid
-
-    meta = FileMetaDataset()
-    meta.MediaStorageSOPClassUID = SecondaryCaptureImageStorage
-    meta.MediaStorageSOPInstanceUID = generate_uid()
-    meta.TransferSyntaxUID = ExplicitVRLittleEndian
-    ds = Dataset()
-    ds.file_meta = meta
-    ds.SOPClassUID, ds.SOPInstanceUID = meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID
-    ds.Modality = "DX"
-    ds.Rows, ds.Columns = arr.shape
-    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
-    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 16, 15, 0
-    ds.PixelData = np.ascontiguousarray(arr, dtype=np.uint16).tobytes()
-    ds.save_as(str(path), enforce_file_format=True)
-
-
-def write_inputs(folder: Path, png: Path, grey: bool = True) -> dict:
-    """``png`` again as ``<stem>.png``, ``<stem>_n.nii.gz`` and (grey only) ``<stem>_d.dcm``."""
+def write_inputs(folder: Path, png: Path) -> dict:
+    """``png`` again as ``<stem>.png``, ``<stem>_n.nii.gz``, ``<stem>_d.dcm`` and ``<stem>_i.dcm``
+    (MONOCHROME1); the DICOMs are grey (a colour picture's channel mean)."""
     import nibabel as nib
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -44,9 +29,10 @@ def write_inputs(folder: Path, png: Path, grey: bool = True) -> dict:
     Image.fromarray(arr).save(out["png"])
     xy = np.swapaxes(arr, 0, 1)  # PIL rows are y; MONAI's PILReader and NIfTI arrays index x first
     nib.save(nib.Nifti1Image(xy.astype(np.float32), NIFTI_AFFINE), str(out["nifti"]))
-    if grey and arr.ndim == 2:
-        out["dicom"] = folder / f"{png.stem}_d.dcm"
-        write_dicom(out["dicom"], arr)
+    grey = (arr if arr.ndim == 2 else arr[..., :3].mean(-1)).astype(np.uint16)
+    out["dicom"], out["dicom_inverted"] = folder / f"{png.stem}_d.dcm", folder / f"{png.stem}_i.dcm"
+    write_dicom(out["dicom"], grey, "P1", intercept=0.0)
+    write_dicom(out["dicom_inverted"], grey.max() - grey, "P1", intercept=0.0, photometric="MONOCHROME1")
     return out
 
 

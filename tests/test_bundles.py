@@ -248,6 +248,35 @@ def test_export_accepts_a_plain_federated_state_dict(tmp_path):
     assert not (tmp_path / "deploy2").exists()
 
 
+def test_export_from_a_run_follows_its_network_options_and_input_size(scenarios, tmp_path):
+    """A run trained with ``network={"widen_factor": 0.25}`` and ``data.image_size`` 32: ``--run`` exports
+    the same narrower network at that size, and the weights fit it exactly."""
+    from fedlabels.config import RunConfig
+    from fedlabels.nets import ResNet18Classifier
+
+    run = tmp_path / "run"
+    RunConfig("fedavg", bundle="cxr_resnet18", network={"widen_factor": 0.25},
+              data={"image_size": 32}).save(run / "app_server" / "custom" / "fedlabels.json")
+    torch.manual_seed(0)
+    net = ResNet18Classifier(in_channels=1, out_channels=6, widen_factor=0.25)
+    torch.save({k: v.numpy() for k, v in net.state_dict().items()}, run / "app_server" / "FL_global_model.pt")
+    out = export_bundle("cxr_resnet18", run / "app_server" / "FL_global_model.pt", tmp_path / "deploy", run=run)
+    infer = json.loads((out / "configs" / "inference.json").read_text())
+    meta = json.loads((out / "configs" / "metadata.json").read_text())
+    assert infer["network_def"]["widen_factor"] == 0.25 and infer["image_size"] == 32
+    assert meta["network_data_format"]["inputs"]["image"]["spatial_shape"] == [32, 32]
+    assert meta["provenance"]["method"] == "fedavg"
+    ts = torch.jit.load(str(out / "models" / "model.ts"))
+    x = torch.rand(2, 1, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(ts(x), net.eval()(x), atol=1e-5)
+    # a network option the inference network cannot carry fails, naming it, and writes nothing
+    RunConfig("fedavg", bundle="cxr_resnet18", network={"hidden": 64}).save(run / "app_server" / "custom" / "fedlabels.json")
+    with pytest.raises(ValueError, match="network_def has no 'hidden'"):
+        export_bundle("cxr_resnet18", run / "app_server" / "FL_global_model.pt", tmp_path / "deploy2", run=run)
+    assert not (tmp_path / "deploy2").exists()
+
+
 # --------------------------------------------------------------- inference
 
 
@@ -322,6 +351,11 @@ def test_inference_reads_png_jpeg_nifti_and_dicom_and_skips_what_it_cannot_read(
             assert mask.get_fdata().squeeze().shape == shape_yx[::-1]  # x, y order
             assert np.allclose(mask.affine, NIFTI_AFFINE)
             assert set(np.unique(mask.get_fdata())) <= {0, 1}
+            for stem in (f"{f.stem}_d", f"{f.stem}_i"):  # a DICOM input's mask: NIfTI on the DICOM's grid
+                dmask = nib.load(str(out / f"{stem}_seg.nii.gz"))
+                assert sorted(dmask.get_fdata().squeeze().shape) == sorted(shape_yx)
+            assert np.array_equal(nib.load(str(out / f"{f.stem}_i_seg.nii.gz")).get_fdata(),
+                                  nib.load(str(out / f"{f.stem}_d_seg.nii.gz")).get_fdata())
         assert not list(out.glob("broken*")) and not list(out.glob("volume*"))
         return
     with open(out / "predictions.csv") as fh:
@@ -330,11 +364,12 @@ def test_inference_reads_png_jpeg_nifti_and_dicom_and_skips_what_it_cannot_read(
     grey = trained["family"] == "cxr"
     assert sorted(rows) == sorted([p.name for w in written.values() for p in w.values()]
                                   + [f"{f.stem}_j.jpg" for f in src])
-    assert len(rows) == (4 if grey else 3) * len(src)
+    assert len(rows) == 5 * len(src)
     for f in src:
         png = rows[f"{f.stem}.png"]
         assert np.allclose(rows[f"{f.stem}_n.nii.gz"], png, atol=1e-5)  # same pixels, same orientation
-        if grey:
+        assert np.allclose(rows[f"{f.stem}_i.dcm"], rows[f"{f.stem}_d.dcm"], atol=1e-5)  # MONOCHROME1 inverted back
+        if grey:  # a grey picture's DICOM is the PNG's pixels
             assert np.allclose(rows[f"{f.stem}_d.dcm"], png, atol=1e-5)
         assert np.allclose(rows[f"{f.stem}_j.jpg"], png, atol=0.1)  # lossy JPEG, RGB -> grey where needed
 
@@ -350,13 +385,15 @@ def test_exported_bundle_carries_thresholds_test_intervals_label_table_and_model
     verify_metadata(meta_file=str(exp / "configs" / "metadata.json"), filepath=str(SPEC_SCHEMA))
     meta = json.loads((exp / "configs" / "metadata.json").read_text())
     names, task = meta["class_names"], TASK[trained["family"]]
-    assert meta["task"] == task
+    assert meta["training"]["task"] == task and meta["task"] == json.loads(Path(cfg(trained["name"], "metadata.json"))
+                                                                          .read_text())["task"]
     scenario = load_scenario(data)
     table = meta["training"]["label_table"]
     assert sorted(table) == sorted(scenario.sites)
     for site, row in table.items():
         summary = scenario.site(site).summary()
         assert [row["annotated"][c] for c in names] == summary["annotated"]
+        assert [row["labels"][c] for c in names] == list(map(bool, summary["labeled_mask"]))
         assert row["cases"] == summary["cases"]
     test = meta["test_metrics"]
     assert test["cases"] == len(scenario.test) and test["confidence"] == 0.95

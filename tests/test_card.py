@@ -21,6 +21,8 @@ def test_youden_threshold_by_hand():
     assert card.youden_threshold(y, p) == pytest.approx(0.35)
     assert card.youden_threshold(np.ones(4), np.linspace(0, 1, 4)) is None
     assert card.youden_threshold(np.zeros(4), np.linspace(0, 1, 4)) is None
+    # a score that ranks every negative above every positive: no cut beats chance, none is chosen
+    assert card.youden_threshold(np.array([1, 1, 0, 0]), np.array([0.1, 0.2, 0.8, 0.9])) is None
 
 
 def test_dice_threshold_by_hand():
@@ -38,6 +40,7 @@ def test_thresholds_use_only_the_cases_that_annotate_the_class():
     # a: cases 0, 1, 3 (p 0.35+, 0.3-, 0.1-) -> 0.35; b: cases 2, 3 (0.2-, 0.8+) -> 0.8
     assert t == pytest.approx({"a": 0.35, "b": 0.8})
     assert card.choose_thresholds("multiclass", probs, labels, ["a", "b"]) == {}
+    assert card.choose_thresholds("multilabel", None, None, ["a", "b"]) == {"a": None, "b": None}  # no validation
 
 
 def test_auroc_interval_matches_a_stratified_reference_bootstrap():
@@ -80,7 +83,9 @@ def test_test_report_scores_at_the_chosen_thresholds():
 
 
 def test_limitations_name_single_site_and_unlabeled_classes():
-    table = {"h1": {"annotated": {"a": 5, "b": 5, "c": 0}}, "h2": {"annotated": {"a": 3, "b": 0, "c": 0}}}
+    # which site labels a class comes from its declared label set, not from (possibly noised) counts
+    table = {"h1": {"labels": {"a": True, "b": True, "c": False}, "annotated": {"a": 5, "b": 0, "c": 0}},
+             "h2": {"labels": {"a": True, "b": False, "c": False}, "annotated": {"a": 3, "b": 2, "c": 0}}}
     meta = {"class_names": ["a", "b", "c"], "training": {"label_table": table},
             "decision_thresholds": {"a": 0.4, "b": 0.3, "c": None},
             "test_metrics": {"per_class": {"a": {"n_pos": 40}, "b": {"n_pos": 4}, "c": {"n_pos": 30}}}}

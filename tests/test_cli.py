@@ -176,3 +176,41 @@ def test_validate_one_hospitals_folder(tmp_path):
     shutil.copytree(full / "site-2", hospital / "site-2")
     assert cli.main(["validate", str(hospital), "--site", "site-2"]) == 0
     assert cli.main(["validate", str(hospital)]) == 2  # the whole scenario: site-1 and test are not here
+
+
+def test_export_on_a_hospitals_own_folder(tmp_path, capsys):
+    """``export --data`` on a folder holding one site and no test split: thresholds from that site's
+    validation cases, no test metrics (the model card says so). A folder that is no scenario, or a
+    --run that is no run, is one line and writes nothing."""
+    import torch
+
+    from fedlabels.nets import ResNet18Classifier
+
+    full = generate("cxr", tmp_path / "full", seed=0, cases=24, test_cases=4, size=32, sites=2)
+    hospital = tmp_path / "hospital"
+    hospital.mkdir()
+    shutil.copy(full / "scenario.yaml", hospital)
+    shutil.copytree(full / "site-2", hospital / "site-2")
+    torch.manual_seed(0)
+    torch.save(ResNet18Classifier(in_channels=1, out_channels=6, widen_factor=0.25).state_dict(), tmp_path / "m.pt")
+    run = tmp_path / "run"
+    from fedlabels.config import RunConfig
+
+    RunConfig("fedavg", bundle="cxr_resnet18", network={"widen_factor": 0.25},
+              data={"image_size": 32}).save(run / "app_server" / "custom" / "fedlabels.json")
+    out = tmp_path / "bundle"
+    assert cli.main(["export", "--bundle", "cxr_resnet18", "--ckpt", str(tmp_path / "m.pt"), "--run", str(run),
+                     "--data", str(hospital), "--out", str(out)]) == 0
+    meta = json.loads((out / "configs" / "metadata.json").read_text())
+    assert meta["training"]["validation_sites"] == ["site-2"] and list(meta["training"]["label_table"]) == ["site-2"]
+    assert meta["test_metrics"] is None and set(meta["decision_thresholds"]) == set(meta["class_names"])
+    assert "Not evaluated on a held-out test set" in (out / "docs" / "README.md").read_text()
+    capsys.readouterr()
+    for args, expected in (
+        (["--ckpt", str(tmp_path / "m.pt"), "--data", str(tmp_path)], "scenario.yaml"),
+        (["--run", str(tmp_path)], "not a fedlabels run's server folder"),
+    ):
+        assert cli.main(["export", "--bundle", "cxr_resnet18", *args, "--out", str(tmp_path / "no")]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and expected in err[0], err
+        assert not (tmp_path / "no").exists()

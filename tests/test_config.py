@@ -119,3 +119,15 @@ def test_the_shipped_jobs_validate(path):
     cfg = RunConfig.load(path)
     cfg.validate("server")
     cfg.validate("client")
+
+
+@pytest.mark.parametrize("size", [4, "32", True, 32.0])
+def test_image_size_must_be_a_pixel_count(size):
+    cfg = RunConfig.from_json({"method": "fedavg", "data": {"image_size": size}}, "job/fedlabels.json")
+    with pytest.raises(ConfigError, match=r"job/fedlabels.json: field 'data.image_size': expected an integer >= 8"):
+        cfg.validate("client")
+
+
+def test_image_size_is_the_bundle_config_the_sites_train_with():
+    assert RunConfig("fedavg", data={"image_size": 32}).bundle_config() == {"image_size": 32}
+    assert RunConfig("fedavg").bundle_config() == {}

@@ -164,13 +164,13 @@ def test_a_job_runs_on_the_loopback_federation_and_its_model_serves(fed, tmp_pat
         assert sent[3]["weights"] == {}  # validation sends metrics only
     # the clinical bundle: thresholds from the sites' validation cases, test metrics, the run's provenance
     bundle = tmp_path / "bundle"
-    subprocess.run([FEDLABELS, "export", "--bundle", "cxr_densenet121", "--ckpt", str(model), "--run",
-                    str(result / "workspace"), "--data", str(fed["full"]), "--out", str(bundle)],
-                   check=True, capture_output=True)
+    subprocess.run([FEDLABELS, "export", "--bundle", "cxr_densenet121", "--run", str(result / "workspace"),
+                    "--data", str(fed["full"]), "--out", str(bundle)], check=True, capture_output=True)
     verify_metadata(meta_file=str(bundle / "configs" / "metadata.json"),
                     filepath=str(Path(__file__).with_name("monai_bundle_metadata.schema.json")))
     meta = json.loads((bundle / "configs" / "metadata.json").read_text())
     assert meta["provenance"]["method"] == "fedavg" and meta["provenance"]["rounds"] == 2
+    assert meta["provenance"]["checkpoint"].endswith("best_FL_global_model.pt")  # the documented default
     assert meta["provenance"]["sites"] == list(SITES)
     # the label table is what the server received from each hospital (its label_summaries.json)
     received = json.loads((result / "workspace" / "label_summaries.json").read_text())

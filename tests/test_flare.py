@@ -443,18 +443,26 @@ def test_fedbn_batch_norm_never_leaves_a_site_and_its_personal_model_carries_it(
     for cls, m in reported["per_class"].items():
         assert scored["per_class"][cls]["auroc"] == pytest.approx(m["auroc"], abs=1e-6), cls
 
-    # a hospital's deployable bundle: `fedlabels export --site-state` puts its own batch norm in
+    # A hospital's deployable bundle: `fedlabels export --run --site-state` takes the run's last model (the
+    # round the state file's batch norm is from) with the site's own batch norm, judged on its own validation
+    # cases; without --site-state a FedBN run is refused in one line, nothing written.
+    fedlabels = str(Path(sys.executable).with_name("fedlabels"))
     state_file = run_dir.parents[2] / "ws.state" / "site-1.pt"
     mine = tmp_path / "site-1"
-    subprocess.run([str(Path(sys.executable).with_name("fedlabels")), "export", "--bundle", spec.bundle, "--ckpt",
-                    str(run_dir / "app_server" / "FL_global_model.pt"), "--site-state", str(state_file),
-                    "--out", str(mine)], check=True, capture_output=True)
+    subprocess.run([fedlabels, "export", "--bundle", spec.bundle, "--run", str(run_dir), "--data", str(data),
+                    "--site-state", str(state_file), "--out", str(mine)], check=True, capture_output=True)
     exported = torch.load(mine / "models" / "model.pt", weights_only=True)
     own = personal_model(w, state_file)
     assert all(torch.equal(exported[k], own[k]) for k in own)
     assert any(not np.array_equal(exported[k].numpy(), w[k]) for k in bn)
     meta = json.loads((mine / "configs" / "metadata.json").read_text())
     assert meta["provenance"]["site_state"] == str(state_file)
+    assert meta["provenance"]["checkpoint"].endswith("/FL_global_model.pt")
+    assert meta["training"]["validation_sites"] == ["site-1"]
+    refused = subprocess.run([fedlabels, "export", "--bundle", spec.bundle, "--run", str(run_dir),
+                              "--out", str(tmp_path / "global")], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--site-state" in refused.stderr and len(refused.stderr.splitlines()) == 1
+    assert not (tmp_path / "global").exists()
 
 
 @pytest.fixture(scope="module")
@@ -516,3 +524,20 @@ def test_semi_supervised_job_without_a_labeled_site_stops_before_round_0(tmp_pat
     text = (tmp_path / "isofed_medmnist.log").read_text()
     assert "method isofed: no site has a labeled training case" in text
     assert "round 0 site-" not in text  # no round was trained
+
+
+def test_a_site_that_keeps_keys_refuses_a_job_without_their_filter():
+    """The ExcludeVars filter is written when the job is built; a bn_policy edited in fedlabels.json
+    afterwards would send the batch norm. The site compares them before round 0."""
+    from types import SimpleNamespace
+
+    from fedlabels.flare.client import check_local_keys
+
+    bn = {"features.norm0.weight", "features.norm0.bias"}
+    site = SimpleNamespace(local_keys=bn, bn_policy="fedbn")
+    check_local_keys(site, REPO / "nvflare_jobs" / "fedbn_cxr" / "app" / "custom")  # the filter covers them
+    with pytest.raises(ValueError, match=r"fedavg_cxr/app/config/config_fed_client.json: task_result_filters: "
+                                         r"no ExcludeVars filter for 2 keys"):
+        check_local_keys(site, REPO / "nvflare_jobs" / "fedavg_cxr" / "app" / "custom")
+    check_local_keys(SimpleNamespace(local_keys=set(), bn_policy="fedavg"),
+                     REPO / "nvflare_jobs" / "fedavg_cxr" / "app" / "custom")

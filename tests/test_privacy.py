@@ -270,3 +270,13 @@ def test_the_server_receives_the_noised_summary_in_every_message(data, tmp_path,
     for site in ("site-1", "site-2"):
         assert text.count(f"privacy: {site}: label summary noised") == 1, text[-3000:]
         assert f"privacy: {site}: label summary noised (Gaussian, noise_multiplier=1, clip=4): (epsilon=4.729" in text
+
+
+def test_a_validation_reply_carries_no_per_case_values_and_no_counts_under_privacy():
+    from fedlabels.flare.client import shareable
+
+    result = {"dice": 0.8, "dice_per_case": [0.7, 0.9],
+              "per_class": {"a": {"auroc": 0.7, "n_pos": 3, "n_neg": 9}, "b": {"auroc": None, "n_pos": 0, "n_neg": 12}}}
+    assert shareable(result, counts=True) == {"dice": 0.8, "per_class": {"a": {"auroc": 0.7, "n_pos": 3, "n_neg": 9},
+                                                                          "b": {"auroc": None, "n_pos": 0, "n_neg": 12}}}
+    assert shareable(result, counts=False) == {"dice": 0.8, "per_class": {"a": {"auroc": 0.7}, "b": {"auroc": None}}}

@@ -219,6 +219,11 @@ def make_plan(args) -> Plan:
         for name in (names if target == ALL else [target] if target in registered else []):
             _route(registered[name], key, value, options[name])
 
+    for name in names:  # the test split scores one global model: FedBN's has no trained batch norm
+        if registered[name].client_options(**options[name]["client"]).get("bn_policy") == "fedbn":
+            raise ValueError(f"--methods {name}: its sites keep their batch norm, so its global model carries the "
+                             "initial one and scoring it on the test split says nothing about the method; "
+                             "score a site's own model instead (methods.base.personal_model)")
     synth = _key_values(args.synth, "--synth")
     family = None
     data = str(args.data)

@@ -84,14 +84,17 @@ def cmd_export(args):
 
     if not args.ckpt and not args.run:
         raise ValueError("export needs --ckpt MODEL or --run RUN_DIR (its best global model)")
-    ckpt = args.ckpt or os.path.join(args.run, "app_server", "best_FL_global_model.pt")
+    # default: the run's best model; with --site-state the last one, whose round the state file's batch norm is from
+    ckpt = args.ckpt or os.path.join(args.run, "app_server",
+                                     "FL_global_model.pt" if args.site_state else "best_FL_global_model.pt")
     out = export_bundle(args.bundle, ckpt, args.out, data=args.data, run=args.run, site_state=args.site_state)
     _say(f"exported bundle: {out}")
     if args.data:
         meta = json.loads(open(os.path.join(out, "configs", "metadata.json")).read())
         _say("decision thresholds (chosen on validation data): "
-             + ", ".join(f"{k} {'n/a' if v is None else f'{v:.3f}'}" for k, v in meta["decision_thresholds"].items())
-             if meta["decision_thresholds"] else "decision: the class with the highest probability")
+             + ", ".join(f"{k} {'none (probability only)' if v is None else f'{v:.3f}'}"
+                         for k, v in meta["decision_thresholds"].items())
+             if meta["training"]["task"] != "multiclass" else "decision: the class with the highest probability")
         _say(f"model card: {os.path.join(out, 'docs', 'README.md')}")
 
 
@@ -169,7 +172,8 @@ def build_parser(flare: bool = True) -> argparse.ArgumentParser:
 
     s = sub.add_parser("export", help="turn a checkpoint into a deployable inference bundle")
     s.add_argument("--bundle", required=True)
-    s.add_argument("--ckpt", help="the model (default with --run: the run's best global model)")
+    s.add_argument("--ckpt", help="the model (default with --run: the run's best global model; with --site-state "
+                                   "its last one)")
     s.add_argument("--out", required=True)
     s.add_argument("--run", help="the federated run's server folder: method, rounds and model kind in the metadata")
     s.add_argument("--data", help="scenario folder: decision thresholds from its validation cases, test metrics with "
@@ -215,9 +219,10 @@ def check_scenario(args) -> None:
     """Validate the scenario of a command that reads one (``--data``); raises ``ScenarioError``."""
     data = getattr(args, "data", None)
     if args.command in SCENARIO_COMMANDS and data:
-        from .profile import load_scenario
+        from .profile import held_sites, load_scenario
 
-        load_scenario(data)
+        # export reads the sites a folder holds (an admin's or a hospital's own copy)
+        load_scenario(data, sites=held_sites(data) if args.command == "export" else None)
 
 
 def _scenario_error(exc: BaseException) -> ScenarioError | None:

@@ -43,7 +43,8 @@ class RunConfig:
     client: dict = field(default_factory=dict)   # the client rule's named options
     server: dict = field(default_factory=dict)   # the server rule's named options
     network: dict = field(default_factory=dict)  # the bundle's network_def overrides
-    data: dict = field(default_factory=dict)     # family, synth (embedded-data options), batch_size, oracle
+    data: dict = field(default_factory=dict)     # family, synth (embedded-data options), batch_size, oracle,
+    #                                              image_size (the bundle's input size; default: the bundle's)
     seed: int = 0
     key_metric: str | None = None                # None: the task's default (KEY_METRICS)
     min_sites: int = 1
@@ -114,6 +115,9 @@ class RunConfig:
             raise ConfigError(path, side, str(e)) from None
         if self.min_sites < 1:
             raise ConfigError(path, "min_sites", "must be >= 1")
+        size = self.data.get("image_size")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 8):
+            raise ConfigError(path, "data.image_size", f"expected an integer >= 8 (pixels), not {size!r}")
         if self.transfer not in TRANSFERS:
             raise ConfigError(path, "transfer", f"must be one of {TRANSFERS}, not {self.transfer!r}")
         if self.privacy:
@@ -126,3 +130,8 @@ class RunConfig:
 
     def metric(self, task: str) -> str:
         return self.key_metric or KEY_METRICS[task]
+
+    def bundle_config(self) -> dict:
+        """Overrides of the bundle's config this run trains with (``image_size``)."""
+        size = self.data.get("image_size")
+        return {} if size is None else {"image_size": int(size)}

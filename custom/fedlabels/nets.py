@@ -70,11 +70,14 @@ class ResNet18Classifier(ResNet):
 
     head_name = "fc"
 
-    def __init__(self, spatial_dims: int = 2, in_channels: int = 1, out_channels: int = 6, init_ckpt: str | None = None):
+    def __init__(self, spatial_dims: int = 2, in_channels: int = 1, out_channels: int = 6, init_ckpt: str | None = None,
+                 widen_factor: float = 1.0):
+        # widen_factor (MONAI's): channel width multiplier; 0.25 trains ~8x faster on CPU (long-budget studies)
         super().__init__(block="basic", layers=[2, 2, 2, 2], block_inplanes=[64, 128, 256, 512],
                          spatial_dims=spatial_dims, n_input_channels=in_channels, num_classes=out_channels,
-                         conv1_t_stride=2)
+                         conv1_t_stride=2, widen_factor=widen_factor)
         self.spatial_dims, self.in_channels, self.out_channels, self.init_ckpt = spatial_dims, in_channels, out_channels, init_ckpt
+        self.widen_factor = widen_factor
         _load_init(self, init_ckpt)
 
     @property

@@ -332,6 +332,14 @@ def load_site(folder, classes, task, check_files=True) -> SiteData:
     return SiteData(profile, folder, lists["training"], lists["validation"])
 
 
+def held_sites(root, wanted=None) -> list:
+    """The scenario's sites that have a folder under ``root`` (a hospital's copy holds only its
+    own), in ``scenario.yaml`` order, limited to ``wanted`` when given."""
+    root = Path(root)
+    listed = _require(_read_yaml(root / "scenario.yaml"), "sites", root / "scenario.yaml", list)
+    return [s for s in listed if (root / s).is_dir() and (wanted is None or s in wanted)]
+
+
 def load_scenario(root, sites=None, check_files=True, with_test=True) -> Scenario:
     """Load and validate a scenario folder (all sites, or only ``sites``)."""
     root = Path(root)

@@ -25,13 +25,14 @@ from .profile import SiteProfile, label_summary, load_scenario
 
 
 def setups(bundle, data, sites=None, batch_size=None, seed=0, oracle=False, network_overrides=None,
-           method=None) -> dict:
-    """Every site's ``setup_site``, with the data views ``method`` (a registered name) trains on."""
+           method=None, config=None) -> dict:
+    """Every site's ``setup_site``, with the data views ``method`` (a registered name) trains on
+    (``config``: bundle config overrides, e.g. ``{"image_size": 32}``)."""
     names = sites or list(load_scenario(data, check_files=False, with_test=False).sites)
     m = methods.get(method) if method else None
     return {s: setup_site(bundle, data, s, batch_size=batch_size, seed=seed, oracle=oracle,
                           network_overrides=network_overrides, unlabeled=bool(m and m.uses_unlabeled),
-                          strong_view=bool(m and m.strong_view)) for s in names}
+                          strong_view=bool(m and m.strong_view), config=config) for s in names}
 
 
 def site_round(client, setup: SiteSetup, weights: dict, rnd: int, extras: dict):

@@ -152,7 +152,8 @@ def _items(site: SiteData, split: str, oracle: bool, labeled_only: bool):
 
 
 def setup_site(bundle, dataset_dir, site_name: str, *, batch_size=None, seed=0, device="cpu", oracle=False,
-               network_overrides: dict | None = None, unlabeled: bool = False, strong_view: bool = False) -> SiteSetup:
+               network_overrides: dict | None = None, unlabeled: bool = False, strong_view: bool = False,
+               config: dict | None = None) -> SiteSetup:
     """Validate the site's data, build the bundle's network and the site's loaders.
 
     ``seed`` is the run's seed; the site's own (``site_seed``) drives its loaders.
@@ -160,12 +161,13 @@ def setup_site(bundle, dataset_dir, site_name: str, *, batch_size=None, seed=0, 
     (segmentation: those with a pixel mask; classification: those with a
     label) unless ``unlabeled`` (semi-supervised methods), which keeps every
     case. Validation always holds the labeled cases only. ``strong_view``
-    adds ``image_strong`` to every training batch (``TwoViews``). The raw items
+    adds ``image_strong`` to every training batch (``TwoViews``). ``config``
+    overrides the bundle's config (e.g. ``{"image_size": 32}``). The raw items
     (supervision level, boxes, image-level classes) stay in ``setup.site``."""
     seed = site_seed(seed, site_name)
     scenario = load_scenario(dataset_dir, sites=[site_name], with_test=False)
     site = scenario.site(site_name)
-    parser = read(bundle, dataset_dir, site=site_name, class_names=list(scenario.classes))
+    parser = read(bundle, dataset_dir, site=site_name, class_names=list(scenario.classes), **(config or {}))
     task = parser.get_parsed_content("task")
     if task != scenario.task:
         raise ValueError(f"{bundle}: bundle task {task!r} does not match scenario task {scenario.task!r} ({dataset_dir})")
@@ -188,10 +190,11 @@ def setup_site(bundle, dataset_dir, site_name: str, *, batch_size=None, seed=0, 
                      oracle)
 
 
-def test_loader(bundle, dataset_dir, batch_size=64) -> DataLoader:
-    """The scenario's fully labeled test split with the bundle's validation transforms."""
+def test_loader(bundle, dataset_dir, batch_size=64, config: dict | None = None) -> DataLoader:
+    """The scenario's fully labeled test split with the bundle's validation transforms
+    (``config``: bundle config overrides, e.g. ``image_size``, as in ``setup_site``)."""
     scenario = load_scenario(dataset_dir, sites=[], with_test=True)
-    parser = read(bundle, dataset_dir, class_names=list(scenario.classes))
+    parser = read(bundle, dataset_dir, class_names=list(scenario.classes), **(config or {}))
     val_tf = parser.get_parsed_content("validate#preprocessing", instantiate=True)
     items = [bundle_data.bundle_item(i, scenario.task, labeled_only=False) for i in scenario.test or []]
     if not items:

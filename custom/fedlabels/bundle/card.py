@@ -23,7 +23,7 @@ from scipy import stats
 from sklearn.metrics import roc_auc_score, roc_curve
 
 from ..metrics import dice_per_case
-from ..profile import load_scenario
+from ..profile import held_sites, load_scenario
 
 CONFIDENCE = 0.95
 SEG_GRID = np.round(np.linspace(0.05, 0.95, 19), 2)
@@ -32,13 +32,13 @@ SEG_GRID = np.round(np.linspace(0.05, 0.95, 19), 2)
 # ---------------------------------------------------------------- data
 
 
-def _predictions(net, bundle, data, split: str, sites=None, image_size=None, device="cpu"):
-    """Probabilities and labels of ``split`` ("validation": the sites' validation cases; "test")."""
+def _predictions(net, bundle, data, split: str, sites=(), image_size=None, device="cpu"):
+    """Probabilities and labels of ``split`` ("validation": the validation cases of ``sites``; "test")."""
     from .. import bundle as bundles
     from ..site import _loader, predict
     from . import data as bundle_data
 
-    scenario = load_scenario(data, sites=sites, with_test=split == "test")
+    scenario = load_scenario(data, sites=[] if split == "test" else list(sites), with_test=split == "test")
     size = {} if image_size is None else {"image_size": int(image_size)}  # the exported model's input size
     parser = bundles.read(bundle, data, class_names=list(scenario.classes), **size)
     transform = parser.get_parsed_content("validate#preprocessing", instantiate=True)
@@ -64,7 +64,9 @@ def youden_threshold(y, p) -> float | None:
         return None
     fpr, tpr, cuts = roc_curve(y, p)
     best = int(np.argmax(tpr - fpr))
-    return float(min(cuts[best], 1.0))  # roc_curve's first cut is +inf (nothing called positive)
+    if tpr[best] - fpr[best] <= 0:  # no cut does better than chance: none is chosen
+        return None
+    return float(cuts[best])
 
 
 def dice_threshold(probs, masks, grid=SEG_GRID) -> float | None:
@@ -79,8 +81,10 @@ def dice_threshold(probs, masks, grid=SEG_GRID) -> float | None:
 
 def choose_thresholds(task: str, probs, labels, classes) -> dict:
     """Per class decision threshold from validation predictions (None where it cannot be chosen)."""
-    if task == "multiclass" or probs is None:
+    if task == "multiclass":
         return {}
+    if probs is None:  # no validation case: no threshold can be chosen
+        return {name: None for name in classes}
     if task == "segmentation":
         return {name: dice_threshold(probs[:, c], labels[:, c]) for c, name in enumerate(classes)}
     out = {}
@@ -137,7 +141,7 @@ def test_report(task: str, probs, labels, classes, thresholds: dict) -> dict:
     per_class = {}
     if task == "segmentation":
         for c, name in enumerate(classes):
-            cut = thresholds.get(name) or 0.5
+            cut = 0.5 if thresholds.get(name) is None else thresholds[name]
             dice = dice_per_case(probs[:, c] >= cut, labels[:, c] > 0.5)
             per_class[name] = {"dice": float(dice.mean()), "dice_ci": mean_ci(dice), "cases": len(dice),
                                "threshold": cut}
@@ -173,10 +177,13 @@ def test_report(task: str, probs, labels, classes, thresholds: dict) -> dict:
 
 
 def label_table(summaries: dict, classes) -> dict:
-    """Per site: training cases, and per class the annotated and positive counts, from the
-    sites' label summaries (``profile.label_summary``)."""
+    """Per site: training cases, and per class whether the site labels it (its declared profile) and
+    the annotated and positive counts, from the sites' label summaries (``profile.label_summary``;
+    ``noised`` when the run's privacy option sent them with noise)."""
     return {name: {"cases": s["cases"], "supervision": s["supervision"],
-                   "annotated": dict(zip(classes, s["annotated"])), "positives": dict(zip(classes, s["positives"]))}
+                   "labels": dict(zip(classes, map(bool, s.get("labeled_mask") or [a > 0 for a in s["annotated"]]))),
+                   "annotated": dict(zip(classes, s["annotated"])), "positives": dict(zip(classes, s["positives"])),
+                   "noised": "privacy" in s}
             for name, s in summaries.items()}
 
 
@@ -184,20 +191,20 @@ def evidence(net, bundle, data, classes, sites=None, summaries=None, image_size=
     """Thresholds from the validation splits of ``sites`` (default: all the scenario's) and
     the test report of ``net`` on scenario ``data``; the label table from ``summaries`` (what
     the run's server received), else from the scenario's sites."""
-    scenario = load_scenario(data, check_files=False, with_test=False)
+    held = held_sites(data, sites) or held_sites(data)  # the run's sites this folder holds, else all it holds
+    scenario = load_scenario(data, sites=held, check_files=False, with_test=False)
     task = scenario.task
     if list(scenario.classes) != list(classes):
         raise ValueError(f"{data}: the scenario's classes {list(scenario.classes)} are not the bundle's {list(classes)}")
-    vp, vl = _predictions(net, bundle, data, "validation", sites=sites, image_size=image_size, device=device)
+    vp, vl = _predictions(net, bundle, data, "validation", sites=held, image_size=image_size, device=device)
     thresholds = choose_thresholds(task, vp, vl, classes)
     out = {"task": task, "scenario": scenario.name, "scenario_dir": str(scenario.root),
            "decision_thresholds": thresholds,
            "threshold_rule": {"multilabel": "Youden index on the pooled site validation cases that annotate the class",
                               "segmentation": "best mean Dice on the pooled site validation cases",
                               "multiclass": "none: the class with the highest probability"}[task],
-           "validation_cases": 0 if vp is None else len(vp),
-           "label_table": label_table(summaries or {name: site.summary() for name, site in load_scenario(
-               data, sites=sites, check_files=False, with_test=False).sites.items()}, classes),
+           "validation_cases": 0 if vp is None else len(vp), "validation_sites": held,
+           "label_table": label_table(summaries or {n: site.summary() for n, site in scenario.sites.items()}, classes),
            "label_table_source": "the run's label_summaries.json (as the server received them)" if summaries
            else f"the scenario's site folders ({scenario.root})"}
     tp, tl = _predictions(net, bundle, data, "test", image_size=image_size, device=device)  # None: no test split (a hospital's folder)
@@ -219,7 +226,7 @@ def limitations(meta: dict) -> list:
     classes, table = meta["class_names"], meta.get("training", {}).get("label_table") or {}
     out = []
     for name in classes:
-        labelers = [s for s, row in table.items() if row["annotated"].get(name)]
+        labelers = [s for s, row in table.items() if row["labels"].get(name)]
         if table and not labelers:
             out.append(f"`{name}`: no training site annotated it; its output is not learned from labels.")
         elif table and len(labelers) == 1 and len(table) > 1:
@@ -256,11 +263,14 @@ def model_card(meta: dict) -> str:
     table = training.get("label_table") or {}
     if table:
         source = training.get("label_table_source")
-        lines += ["", "Which site annotated which class (annotated cases / positives; 0 = not annotated there"
-                  + (f"; from {source}" if source else "") + "):", "",
+        noised = any(row.get("noised") for row in table.values())
+        lines += ["", "Which site annotated which class (annotated cases / positives; - = the site does not label "
+                  "the class" + (f"; from {source}" if source else "") + "):"
+                  + (" the counts were sent with noise (the run's privacy option); which site labels which class "
+                     "is exact." if noised else ""), "",
                   "| site | cases | " + " | ".join(classes) + " |", "|---|---|" + "---|" * len(classes)]
         for site, row in table.items():
-            cells = [f"{row['annotated'][c]} / {row['positives'][c]}" for c in classes]
+            cells = [f"{row['annotated'][c]} / {row['positives'][c]}" if row["labels"][c] else "-" for c in classes]
             lines.append(f"| {site} | {row['cases']} | " + " | ".join(cells) + " |")
     lines += ["", "## Performance", ""]
     thresholds = meta.get("decision_thresholds") or {}
@@ -271,7 +281,7 @@ def model_card(meta: dict) -> str:
     if test:
         pct = int(round(100 * test.get("confidence", CONFIDENCE)))
         lines += ["", f"Held-out test set, {test['cases']} cases; {pct} % confidence intervals in brackets.", ""]
-        if meta.get("task") == "segmentation":
+        if training.get("task") == "segmentation":
             lines += ["| class | threshold | Dice |", "|---|---|---|"]
             for name, m in test["per_class"].items():
                 lines.append(f"| {name} | {_fmt(m['threshold'])} | {_fmt(m['dice'], m['dice_ci'])} |")

@@ -12,6 +12,8 @@ The bundle configs call these functions, so a bundle trained with
   or converted is named in one log line and left out; the rest go on.
 * ``SaveMaskd`` -- writes a predicted mask next to its kind of input: PNG for
   PNG/JPEG, NIfTI with the source geometry for NIfTI and DICOM.
+* ``DicomPhotometricd`` -- a grey DICOM stored MONOCHROME1 (0 = white) is
+  inverted to the MONOCHROME2 convention every other input follows.
 * ``Ensure2DChannelsd`` -- makes any 2D input (grey, RGB, RGBA, a 2D NIfTI
   stored as H x W x 1) the channel count a network expects.
 * ``RandDihedrald`` -- cheap random flip / rotate-by-90 for training.
@@ -191,6 +193,27 @@ class ReadableImages(Dataset):
             logger.warning(f"{len(refused)} of {len(data)} input images left out")
         self.refused = refused
         super().__init__(ready, transform=None)
+
+
+def _photometric(path: str) -> str:
+    import pydicom
+
+    return str(getattr(pydicom.dcmread(path, stop_before_pixels=True), "PhotometricInterpretation", "")).strip()
+
+
+class DicomPhotometricd(MapTransform):
+    """Invert a grey DICOM stored MONOCHROME1 (the lowest value displayed white, common in computed
+    radiography) to MONOCHROME2, as PNG, NIfTI and the training images are: MONAI's readers return
+    the stored values, so without this such an image reaches the network as its negative."""
+
+    def __call__(self, data):
+        d = dict(data)
+        for key in self.key_iterator(d):
+            img = d[key]
+            source = str((getattr(img, "meta", None) or {}).get("filename_or_obj", ""))
+            if source.lower().endswith(".dcm") and _photometric(source) == "MONOCHROME1":
+                d[key] = img.max() + img.min() - img
+        return d
 
 
 class SaveMaskd(MapTransform):

@@ -297,7 +297,8 @@ def _inference_parser(bundle: Path, **overrides):
 
 
 def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = None, metrics: dict | None = None,
-                  provenance: dict | None = None, check: bool = True, data=None, run=None, site_state=None) -> Path:
+                  provenance: dict | None = None, check: bool = True, data=None, run=None, site_state=None,
+                  network: dict | None = None) -> Path:
     """Write a deployable copy of ``bundle`` at ``out`` with the weights of ``ckpt``.
 
     * ``models/model.pt`` -- the plain state dict (MONAI bundle spec);
@@ -315,9 +316,10 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
       site's own batch norm replaces the global model's, which no site trained
       (``methods.base.personal_model``).
 
-    ``class_names`` / ``image_size`` override the bundle's defaults (a scenario
-    with other classes or a model trained at another size); the inference
-    config is updated to match. With ``check`` the exported TorchScript is
+    ``class_names`` / ``image_size`` / ``network`` (network options, e.g.
+    ``widen_factor``) override the bundle's defaults (a scenario with other
+    classes, a model trained at another size or width; with ``run``: what the
+    run trained with); the inference config is updated to match. With ``check`` the exported TorchScript is
     compared with the eager network on a random input and must agree.
     Returns ``out``.
     """
@@ -327,6 +329,11 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
     out = Path(out).resolve()
     if out == bundle:
         raise ValueError(f"{out}: export into a new folder, not over the source bundle")
+    trained = run_config(run) if run else None  # before any work: a --run that is no run is one line
+    if trained is not None and site_state is None and _bn_policy(trained) == "fedbn":
+        raise ValueError(f"{run}: a FedBN run's global model carries the initial batch norm, which no site "
+                         "trained with; export a hospital's own model with its state file "
+                         "(--site-state fedlabels_state/<site>.pt)")
     state = load_state_dict(ckpt)
     if site_state is not None:
         from ..methods.base import personal_model
@@ -348,10 +355,19 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
         meta_path = staging / "configs" / "metadata.json"
         infer = json.loads(infer_path.read_text())
         meta = json.loads(meta_path.read_text())
+        if image_size is None and trained is not None:
+            image_size = trained.bundle_config().get("image_size")
         if class_names is not None:
             infer["class_names"] = [str(c) for c in class_names]
         if image_size is not None:
             infer["image_size"] = int(image_size)
+        for key, value in {**(trained.network if trained else {}), **(network or {})}.items():
+            if key == "init_ckpt":  # where training started from; the exported weights replace it
+                continue
+            if key not in infer["network_def"]:
+                raise ValueError(f"{bundle}/configs/inference.json: network_def has no {key!r} to carry the network "
+                                 f"option {key}={value!r}")
+            infer["network_def"][key] = value
         names = infer["class_names"]
         provenance = {**(run_provenance(run, ckpt) if run else {}), **(provenance or {})}
         _update_metadata(meta, names, infer["image_size"], infer["in_channels"], metrics, provenance, bundle, ckpt)
@@ -375,8 +391,10 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
         if data is not None:
             from . import card
 
-            _add_evidence(meta, card.evidence(net, bundle, data, names, sites=_local(data, provenance.get("sites")),
-                                               summaries=_summaries(run), image_size=infer["image_size"]))
+            # a hospital's own model (--site-state) is judged on that hospital's validation cases
+            sites = [Path(str(site_state)).stem] if site_state is not None else provenance.get("sites")
+            _add_evidence(meta, card.evidence(net, bundle, data, names, sites=sites, summaries=_summaries(run),
+                                               image_size=infer["image_size"]))
             meta_path.write_text(json.dumps(meta, indent=4) + "\n")
             readme = staging / "docs" / "README.md"
             readme.write_text(card.model_card(meta) + "\n---\n\n" + readme.read_text())
@@ -427,10 +445,9 @@ def _update_metadata(meta, names, image_size, in_channels, metrics, provenance, 
 
 
 def _add_evidence(meta: dict, ev: dict) -> None:
-    meta["task"] = ev["task"]
     meta["decision_thresholds"] = ev["decision_thresholds"]
-    meta["training"] = {k: ev[k] for k in ("scenario", "scenario_dir", "label_table", "label_table_source",
-                                           "threshold_rule", "validation_cases")}
+    meta["training"] = {k: ev[k] for k in ("task", "scenario", "scenario_dir", "label_table", "label_table_source",
+                                           "threshold_rule", "validation_cases", "validation_sites")}
     meta["test_metrics"] = ev["test"]
     if ev["test"]:  # the schema's flat name -> score view
         for name, m in ev["test"]["per_class"].items():
@@ -447,20 +464,26 @@ def _summaries(run) -> dict | None:
     return json.loads(path.read_text()) if path and path.is_file() else None
 
 
-def _local(data, sites):
-    """The run's sites that have a folder in ``data`` (a hospital holds only its own)."""
-    return None if sites is None else [s for s in sites if (Path(data) / s).is_dir()] or None
+def _bn_policy(cfg) -> str:
+    from .. import methods
+
+    return methods.get(cfg.method).client_options(**cfg.client).get("bn_policy", "fedavg")
+
+
+def run_config(run):
+    """The run configuration (``fedlabels.config.RunConfig``) of a federated run's server folder."""
+    from ..config import FILE, RunConfig
+
+    cfg_path = Path(run) / "app_server" / "custom" / FILE
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{run}: not a fedlabels run's server folder (no app_server/custom/{FILE})")
+    return RunConfig.load(cfg_path)
 
 
 def run_provenance(run, ckpt) -> dict:
     """What a federated run's server folder says about the model: method, rounds, best or last."""
-    from ..config import FILE, RunConfig
-
     run = Path(run)
-    cfg_path = run / "app_server" / "custom" / FILE
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{run}: not a fedlabels run's server folder (no app_server/custom/{FILE})")
-    cfg = RunConfig.load(cfg_path)
+    cfg = run_config(run)
     progress = json.loads((run / "progress.json").read_text()) if (run / "progress.json").is_file() else {}
     name = Path(str(ckpt)).name if isinstance(ckpt, (str, os.PathLike)) else ""
     rounds = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] \

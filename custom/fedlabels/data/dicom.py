@@ -54,8 +54,9 @@ def read_dicom_pixels(path) -> np.ndarray:
 
 
 def write_dicom(path, pixels: np.ndarray, patient_id: str, sop_uid: str = "1.2.3", intercept: float = -1024.0,
-                slope: float = 1.0, explicit: bool = True) -> None:
-    """Write a minimal uncompressed CT DICOM (used to build test fixtures)."""
+                slope: float = 1.0, explicit: bool = True, photometric: str = "MONOCHROME2") -> None:
+    """Write a minimal uncompressed CT DICOM (used to build test fixtures); ``photometric``
+    "MONOCHROME1" stores the pixels as given, to be displayed inverted."""
     from pydicom.dataset import Dataset, FileMetaDataset
     from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, ImplicitVRLittleEndian
 
@@ -67,7 +68,7 @@ def write_dicom(path, pixels: np.ndarray, patient_id: str, sop_uid: str = "1.2.3
     ds = Dataset()
     ds.file_meta = meta
     ds.SOPClassUID, ds.SOPInstanceUID, ds.PatientID, ds.Modality = CTImageStorage, sop_uid, patient_id, "CT"
-    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
+    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, photometric
     ds.Rows, ds.Columns = pixels.shape
     ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 16, 15, int(signed)
     ds.RescaleIntercept, ds.RescaleSlope = f"{intercept:g}", f"{slope:g}"

@@ -21,6 +21,7 @@ filter from the whole state dict this script hands to nvflare.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, REASON, RESUME, to_numpy
 from ..privacy import describe
 from ..profile import ScenarioError
 from ..site import flat_metrics, load_state, save_state, setup_site, train_task, validate_task
-from .controller import FATAL, RUN, SUMMARY, THREADS, VERSIONS, on_the_wire, versions
+from .controller import FATAL, RUN, SUMMARY, TASKS, THREADS, VERSIONS, on_the_wire, versions
 
 
 def build_parser():
@@ -85,14 +86,46 @@ def prepare(cfg: RunConfig, args, site: str, here: Path | None):
     method = methods.get(cfg.method)
     setup = setup_site(bundle_path(cfg.bundle, here), data_root(args, cfg), site, batch_size=cfg.data.get("batch_size"),
                        seed=cfg.seed, device=args.device, network_overrides=cfg.network, unlabeled=method.uses_unlabeled,
-                       strong_view=method.strong_view, oracle=bool(cfg.data.get("oracle")))
+                       strong_view=method.strong_view, oracle=bool(cfg.data.get("oracle")),
+                       config=cfg.bundle_config())
     if setup.task not in method.tasks:
         raise ValueError(f"method {method.name!r} handles {method.tasks}, not the scenario's task {setup.task!r}")
     if cfg.privacy:  # the label summary is noised once, kept with the site's state, sent as is (fedlabels.privacy)
         store = Path(os.environ.get("FEDLABELS_STATE", "fedlabels_state")) / f"{site}.privacy.json"
         report, reused = setup.release_summary(cfg.privacy, store)
         print(f"[{site}] {describe(report)}" + (f"; reused from {store}" if reused else ""), flush=True)
-    return setup, method.make_client(setup.net, setup.context(), **cfg.client)
+    client = method.make_client(setup.net, setup.context(), **cfg.client)
+    check_local_keys(client, here)
+    return setup, client
+
+
+def check_local_keys(client, here: Path | None) -> None:
+    """A site that keeps keys local (FedBN's batch norm) hands nvflare its whole state dict, and the
+    job's ExcludeVars result filter removes those keys. The filter is fixed when the job is built,
+    the policy read at run time (fedlabels.json): they must agree, or the keys would leave."""
+    keep = set(client.local_keys)
+    if not keep or here is None:
+        return
+    path = here.parent / "config" / "config_fed_client.json"
+    doc = json.loads(path.read_text()) if path.is_file() else {}
+    excluded = {k for chain in doc.get("task_result_filters", []) for f in chain.get("filters", [])
+                if f.get("path", "").endswith("ExcludeVars") and set(TASKS) <= set(chain.get("tasks", []))
+                for k in f.get("args", {}).get("exclude_vars", [])}
+    missing = sorted(keep - excluded)
+    if missing:
+        raise ValueError(f"{path}: task_result_filters: no ExcludeVars filter for {len(missing)} keys this site keeps "
+                         f"(e.g. {missing[:2]}; bn_policy {client.bn_policy!r}), so they would leave the site: "
+                         "rebuild the job from its definition (python nvflare_jobs/<job>/job.py --export DIR)")
+
+
+def shareable(evaluation: dict, counts: bool) -> dict:
+    """What of a validation result leaves the site: never per-case values (``dice_per_case``);
+    the per-class positive and negative counts only when the run does not noise its counts
+    (the privacy option)."""
+    drop = {"dice_per_case"} | (set() if counts else {"n_pos", "n_neg"})
+    if isinstance(evaluation, dict):
+        return {k: shareable(v, counts) for k, v in evaluation.items() if k not in drop}
+    return evaluation
 
 
 def size_threads(meta: dict) -> None:
@@ -156,7 +189,8 @@ def main(argv=None, here: Path | None = None):
                   + f" received model: {scores} ({time.time() - t0:.1f}s)", flush=True)
         elif flare.is_evaluate():
             result = validate_task(client, setup, model.params)
-            flare.send(FLModel(metrics=flat_metrics(result) or {"val_cases": 0.0}, meta={"evaluation": result}))
+            flare.send(FLModel(metrics=flat_metrics(result) or {"val_cases": 0.0},
+                               meta={"evaluation": shareable(result, counts=not cfg.privacy)}))
         elif flare.is_submit_model():  # the whole state dict: the job's filters withhold what the site keeps
             flare.send(FLModel(params=on_the_wire(to_numpy(client.net.state_dict()), cfg.transfer)))
         first_task = False

@@ -43,6 +43,9 @@ from ..privacy import server_lines
 from ..profile import write_atomic, write_json_atomic
 
 FATAL = "fatal_error"
+# Every task a site answers (the client script). Filters are registered for named tasks:
+# nvflare 2.9 looks them up by task name, and "*" matches none.
+TASKS = ["train", "validate", "submit_model"]
 SUMMARY = "label_summary"
 SUMMARIES_FILE = "label_summaries.json"  # in the run folder: what each site reported, for the model card
 THREADS = "threads"  # torch threads a simulated site should use

@@ -31,13 +31,10 @@ from .. import methods
 from ..config import FILE, TRANSFERS, RunConfig
 from ..bundle import bundle_path, network
 from ..methods.base import local_keys
-from .controller import FedLabelsController
+from .controller import TASKS, FedLabelsController
 from .sent import SentRecord
 
 REPO = Path(__file__).resolve().parents[3]
-# Every task a site answers (the client script). Filters are registered for named tasks:
-# nvflare 2.9 looks them up by task name, and "*" matches none.
-TASKS = ["train", "validate", "submit_model"]
 SHIM = Path(__file__).with_name("client_script.py")
 
 
@@ -57,6 +54,7 @@ class JobSpec:
     network: dict = field(default_factory=dict)  # network_def overrides (e.g. hidden)
     seed: int = 0
     batch_size: int | None = None
+    image_size: int | None = None  # the bundle's input size (None: the bundle's own)
     oracle: bool = False  # sites train on their full labels (oracle.json): an upper-bound run
     key_metric: str | None = None  # None: the task's default (fedlabels.config.KEY_METRICS)
     min_sites: int = 1
@@ -70,7 +68,8 @@ class JobSpec:
         return RunConfig(method=self.method, bundle=Path(self.bundle).name, client=dict(self.client),
                          server=dict(self.server), network=dict(self.network),
                          data={"family": self.family, "synth": dict(self.synth), "batch_size": self.batch_size,
-                               **({"oracle": True} if self.oracle else {})},
+                               **({"oracle": True} if self.oracle else {}),
+                               **({"image_size": self.image_size} if self.image_size else {})},
                          seed=self.seed, key_metric=self.key_metric, min_sites=self.min_sites, faults=list(self.faults),
                          transfer=self.transfer, privacy=dict(self.privacy))
 
