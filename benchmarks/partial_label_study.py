@@ -1,6 +1,6 @@
 """Partial labels at a realistic training budget: when do the class-wise rules beat naive FedAvg, and why?
 
-Every method of the study trains with the same client (Adam, lr 1e-3, batch 32,
+Every method of the study trains with the same client (Adam, lr 1e-3, batch 16,
 5 local epochs per round: the papers train 1-10), network and data; the rows
 differ in the method only. Each global model is scored at several budgets, counted in cumulative
 local optimiser steps per site (the mean over sites), on the fully labeled test
@@ -285,7 +285,8 @@ def plot(out: Path) -> Path | None:
                 ax.set_xscale("log")
                 ax.set_title(f"{dataset}: {label}")
                 ax.set_xlabel("local steps per site")
-    axes[0][0].legend(fontsize=8)
+    for ax in axes[0]:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     path = out / "curves.png"
     tmp = out / ".curves.png"
