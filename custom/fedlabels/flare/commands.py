@@ -337,12 +337,19 @@ def plot_curves(curves: dict, path: Path) -> Path:
     classes = list(next(iter(curves.values())))
     fig, axes = plt.subplots(1, len(classes), figsize=(5 * len(classes), 4), squeeze=False)
     for ax, c in zip(axes[0], classes):
+        drawn = False
         for method, per_class in curves.items():
             pts = [(r, v) for r, v in per_class[c] if v is not None]
-            ax.plot([r for r, _ in pts], [v for _, v in pts], label=method)
+            if pts:
+                ax.plot([r for r, _ in pts], [v for _, v in pts], label=method)
+                drawn = True
+        if drawn:
+            ax.legend()
+        else:  # the one site that labels it has no positives (or negatives) in its validation split
+            ax.text(0.5, 0.5, "undefined in every round: the site that labels it\nhas no positives or no "
+                    "negatives among its validation cases", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(f"{c} (one site labels it): validation AUROC")
         ax.set_xlabel("round")
-    axes[0][0].legend()
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}")
     fig.savefig(tmp, format="png", dpi=90)
