@@ -246,7 +246,8 @@ def summary(out: Path) -> str:
                     lines.append(f"| {method} | " + " | ".join(row) + " |")
             lines.append("")
     total = sum(d["seconds"] for d in docs)
-    lines.append(f"{len(docs)} cells, {total / 60:.0f} CPU-thread minutes of training and scoring.")
+    lines.append(f"{len(docs)} cells, {total / 60:.0f} minutes of training and scoring summed over the cells "
+                 "(wall time, one thread each).")
     return "\n".join(lines) + "\n"
 
 
