@@ -231,8 +231,10 @@ def test_resume_is_exact(tmp_path, data, job_runs, monkeypatch):
     first, _ = job_runs("fedbn_cxr")
     saved = tmp_path / "saved"
     shutil.copytree(first, saved)
-    # the sites' saved state lies beside the first run's workspace (fedlabels simulate's default)
-    monkeypatch.setenv("FEDLABELS_STATE", str(first.parents[2] / "ws.state"))
+    # the sites' saved state lies beside the first run's workspace (fedlabels simulate's default); resume
+    # from a copy, so the shared first run's state stays as it left it for the other tests
+    shutil.copytree(first.parents[2] / "ws.state", tmp_path / "saved.state")
+    monkeypatch.setenv("FEDLABELS_STATE", str(tmp_path / "saved.state"))
     resumed, log = run(JOBS["fedbn_cxr"], tmp_path, data, "2", rounds=4, resume_from=str(saved))
     assert [r["round"] for r in rounds(resumed)] == [2, 3]
     text = log.read_text()
