@@ -32,26 +32,16 @@ SEG_GRID = np.round(np.linspace(0.05, 0.95, 19), 2)
 # ---------------------------------------------------------------- data
 
 
-def _predictions(net, bundle, data, split: str, sites=(), image_size=None, device="cpu"):
-    """Probabilities and labels of ``split`` ("validation": the validation cases of ``sites``; "test")."""
-    from .. import bundle as bundles
+def _predictions(net, transform, task: str, raw: list, device="cpu"):
+    """Probabilities and labels of the labeled datalist items ``raw`` (None, None without any)."""
     from ..site import _loader, predict
     from . import data as bundle_data
 
-    scenario = load_scenario(data, sites=[] if split == "test" else list(sites), with_test=split == "test")
-    size = {} if image_size is None else {"image_size": int(image_size)}  # the exported model's input size
-    parser = bundles.read(bundle, data, class_names=list(scenario.classes), **size)
-    transform = parser.get_parsed_content("validate#preprocessing", instantiate=True)
-    if split == "test":
-        raw = scenario.test or []
-    else:
-        raw = [item for site in scenario.sites.values() for item in site.validation]
-    items = [bundle_data.bundle_item(i, scenario.task, labeled_only=True) for i in raw]
+    items = [bundle_data.bundle_item(i, task, labeled_only=True) for i in raw]
     items = [i for i in items if i is not None]
     if not items:
         return None, None
-    probs, labels = predict(net, _loader(items, transform, 32, False, 0), scenario.task, device)
-    return probs, labels
+    return predict(net, _loader(items, transform, 32, False, 0), task, device)
 
 
 # ----------------------------------------------------------- thresholds
@@ -191,12 +181,18 @@ def evidence(net, bundle, data, classes, sites=None, summaries=None, image_size=
     """Thresholds from the validation splits of ``sites`` (default: all the scenario's) and
     the test report of ``net`` on scenario ``data``; the label table from ``summaries`` (what
     the run's server received), else from the scenario's sites."""
+    from .. import bundle as bundles
+
     held = held_sites(data, sites) or held_sites(data)  # the run's sites this folder holds, else all it holds
-    scenario = load_scenario(data, sites=held, check_files=False, with_test=False)
+    scenario = load_scenario(data, sites=held)  # read once: validation splits and the test split, if any
     task = scenario.task
     if list(scenario.classes) != list(classes):
         raise ValueError(f"{data}: the scenario's classes {list(scenario.classes)} are not the bundle's {list(classes)}")
-    vp, vl = _predictions(net, bundle, data, "validation", sites=held, image_size=image_size, device=device)
+    size = {} if image_size is None else {"image_size": int(image_size)}  # the exported model's input size
+    transform = bundles.read(bundle, data, class_names=list(classes), **size).get_parsed_content(
+        "validate#preprocessing", instantiate=True)
+    validation = [item for site in scenario.sites.values() for item in site.validation]
+    vp, vl = _predictions(net, transform, task, validation, device)
     thresholds = choose_thresholds(task, vp, vl, classes)
     out = {"task": task, "scenario": scenario.name, "scenario_dir": str(scenario.root),
            "decision_thresholds": thresholds,
@@ -207,7 +203,7 @@ def evidence(net, bundle, data, classes, sites=None, summaries=None, image_size=
            "label_table": label_table(summaries or {n: site.summary() for n, site in scenario.sites.items()}, classes),
            "label_table_source": "the run's label_summaries.json (as the server received them)" if summaries
            else f"the scenario's site folders ({scenario.root})"}
-    tp, tl = _predictions(net, bundle, data, "test", image_size=image_size, device=device)  # None: no test split (a hospital's folder)
+    tp, tl = _predictions(net, transform, task, scenario.test or [], device)  # None: no test split (a hospital's)
     out["test"] = None if tp is None else test_report(task, tp, tl, classes, thresholds)
     return out
 
