@@ -179,6 +179,10 @@ def test_a_job_runs_on_the_loopback_federation_and_its_model_serves(fed, tmp_pat
         row = meta["training"]["label_table"][site]
         assert [row["annotated"][c] for c in meta["class_names"]] == received[site]["annotated"]
     assert meta["test_metrics"]["cases"] == 12 and set(meta["decision_thresholds"]) == set(meta["class_names"])
+    card = (bundle / "docs" / "README.md").read_text()  # the model card, from the same metadata
+    for part in ("## Intended use", "Federated method: fedavg", "Rounds completed: 2", "## Performance",
+                 "## Known limitations", *SITES):
+        assert part in card, part
     images = tmp_path / "images"
     for f in sorted((fed["full"] / "test" / "images").glob("*.png"))[:2]:
         write_inputs(images, f)  # PNG, NIfTI, DICOM and inverted (MONOCHROME1) DICOM of the same picture
