@@ -84,12 +84,17 @@ def test_committed_jobs_match_their_code(tmp_path):
         assert not diffs, f"nvflare_jobs/{name} drifted from fedlabels.flare.job ({diffs}); run `fedlabels jobs`"
 
 
+# What the 2-round runs change beyond TINY: FedMLP warms up for one round so that stage 2 (prototypes,
+# tagging) runs too, with fixed selection ratios large enough to tag some of the 16 cases.
+CI_CHANGES = {"fedmlp_cxr": {"server": {"warmup_rounds": 1, "tau0": 0.3, "tau1": 0.3, "adaptive_threshold": False}}}
+
+
 @pytest.fixture(scope="module")
 def job_runs(tmp_path_factory, data):
     """Each job run once (2 sites x 2 rounds), shared by the tests below."""
     def get(name):
         if name not in _RUNS:
-            _RUNS[name] = run(JOBS[name], tmp_path_factory.mktemp(name), data)
+            _RUNS[name] = run(JOBS[name], tmp_path_factory.mktemp(name), data, **CI_CHANGES.get(name, {}))
         return _RUNS[name]
     return get
 
@@ -543,3 +548,23 @@ def test_a_site_that_keeps_keys_refuses_a_job_without_their_filter():
         check_local_keys(site, REPO / "nvflare_jobs" / "fedavg_cxr" / "app" / "custom")
     check_local_keys(SimpleNamespace(local_keys=set(), bn_policy="fedavg"),
                      REPO / "nvflare_jobs" / "fedavg_cxr" / "app" / "custom")
+
+
+def test_fedmlp_sends_prototypes_from_the_last_warmup_round_and_tags_in_stage_2(job_runs):
+    """The real simulator with warmup_rounds=1: round 0 is the warm-up, whose updates already carry the
+    prototypes of the site's annotated classes and the degree (the sent record shows exactly these extras);
+    in round 1 the sites tag missing labels from the global prototypes. Does not assert anything about
+    accuracy (2 rounds on 16 cases)."""
+    run_dir, log = job_runs("fedmlp_cxr")
+    recs = rounds(run_dir)
+    for site, own in (("site-1", {"0", "1", "2"}), ("site-2", {"1", "2", "3"})):
+        assert "tags_total" not in recs[0]["sites"][site] and recs[1]["sites"][site]["tags_total"] > 0, site
+        sent = [json.loads(line) for line in (run_dir.parents[1] / site / "fedlabels_sent" / f"{site}.jsonl")
+                .read_text().splitlines()]
+        trains = [e for e in sent if e["task"] == "train"]
+        assert len(trains) == 2
+        for e in trains:
+            extras = e["meta"]["extras"]
+            assert set(extras) == {"prototypes", "degree"}, extras
+            assert set(extras["prototypes"]) <= own and extras["prototypes"], (site, extras["prototypes"])
+    assert "prototype for class" not in log.read_text()  # the server dropped none

@@ -156,7 +156,11 @@ class RoundEngine:
             self.log("warning", f"round {rnd} step {step.name}: {len(usable)} usable update(s) < "
                                 f"min_sites={self.min_sites}; model kept")
             return None
-        return self.aggregate_hook(usable, lambda: self.server.aggregate(usable, dict(weights), rnd))
+        new = self.aggregate_hook(usable, lambda: self.server.aggregate(usable, dict(weights), rnd))
+        for note in self.server.take_notes():
+            record.setdefault("notes", []).append(note)
+            self.log("warning", f"round {rnd} step {step.name}: {note}")
+        return new
 
     def _score(self, rnd, scores: dict):
         """Mean key metric of the received model over the same sites every round, or None."""

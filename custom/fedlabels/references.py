@@ -51,7 +51,7 @@ def federate(method: str, site_setups: dict, rounds: int, seed=0, log=print, cli
 
     Returns {"last": weights, "best": weights (best mean site-validation score
     of a received model, or of the final one, as the FLARE controller chooses),
-    "records": per-round records}. ``on_round(record, weights, best)`` is
+    "records": per-round records, "clients": the client rules, for analysis}. ``on_round(record, weights, best)`` is
     called after each round with the round's model and the best one so far.
     """
     m = methods.get(method)
@@ -92,7 +92,7 @@ def federate(method: str, site_setups: dict, rounds: int, seed=0, log=print, cli
     if engine.score_final(final)[1]:
         best = weights
     engine.check_progress()
-    return {"last": weights, "best": best, "records": records}
+    return {"last": weights, "best": best, "records": records, "clients": clients}
 
 
 def score(net, weights, bundle, data, loader=None) -> dict:

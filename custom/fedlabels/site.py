@@ -105,7 +105,11 @@ class CachedCases(CacheDataset):
 
     def _transform(self, index):
         with plain_tensors():
-            return super()._transform(index)
+            out = super()._transform(index)
+        # The case's position among the site's cases: rules that keep per-case state (FedMLP's tags) need it.
+        if isinstance(out, dict):
+            out["index"] = index
+        return out
 
 
 class TwoViews(torch.utils.data.Dataset):

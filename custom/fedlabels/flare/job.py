@@ -104,7 +104,14 @@ SEMISUP_JOBS = [
     JobSpec("wfedavg_medmnist", "wfedavg", bundle="medmnist_cnn", family="medmnist", client=dict(MEDMNIST_TRAINING),
             oracle=True),
 ]
-JOBS = {spec.name: spec for spec in CXR_JOBS + OTHER_TASK_JOBS + SEMISUP_JOBS}
+# FedMLP and the pseudo-label baselines of its Tables 1-2, on the paper's ResNet-18. FedMLP warms up for a
+# quarter of the rounds (the paper: 50 of 500, with 10x more rounds to go after).
+FEDMLP_JOBS = [
+    JobSpec("fedmlp_cxr", "fedmlp", bundle="cxr_resnet18", client=dict(CXR_TRAINING), server={"warmup_rounds": 5}),
+    JobSpec("fedfixmatch_cxr", "fedfixmatch", bundle="cxr_resnet18", client=dict(CXR_TRAINING)),
+    JobSpec("fednoro_cxr", "fednoro", bundle="cxr_resnet18", client={**CXR_TRAINING, "rampup_begin": 0, "rampup_end": 19}),
+]
+JOBS = {spec.name: spec for spec in CXR_JOBS + OTHER_TASK_JOBS + SEMISUP_JOBS + FEDMLP_JOBS}
 
 
 def build_job(spec: JobSpec, workdir) -> FedJob:

@@ -362,6 +362,10 @@ class ServerRule:
     def aggregate(self, updates: list, global_weights: dict, round: int) -> dict:
         raise NotImplementedError
 
+    def take_notes(self) -> list:
+        """Lines worth logging about the last aggregation (e.g. what a rule dropped from an update), then forgotten."""
+        return []
+
     def combine(self, results: list, start_weights: dict, round: int, step: Step) -> dict:
         from .aggregate import average_keys
 
