@@ -250,3 +250,22 @@ def test_flare_engine_matches_the_inprocess_engine(tmp_path):
         return {(r["class"], r["metric"]): r["value"] for r in rows if r["method"] == "fedavg" and r["model"] == "last"}
 
     assert last(flare_rows) == last(inproc_rows)
+
+
+def test_network_and_image_size_reach_every_row_and_a_misspelt_option_stops_before_any_cell(tmp_path):
+    import json
+
+    out = tmp_path / "small"
+    argv = [a if a != "fedavg,surgical" else "fedavg" for a in BENCH]
+    code, _, stderr = _main(argv + ["--rounds", "1", "--network", "widen_factor=0.25", "--image-size", "32",
+                                    "--out", out])
+    assert code == 0, stderr
+    cells = sorted((out / "cells").glob("*.json"))
+    assert {c.name for c in cells} >= {"fedavg-seed0.json", "local_site-1-seed0.json"}
+    for c in cells:
+        config = json.loads(c.read_text())["config"]
+        assert config["network"] == {"widen_factor": 0.25} and config["image_size"] == 32, c.name
+    bad = tmp_path / "bad"
+    code, _, stderr = _main(argv + ["--network", "widen=0.25", "--out", bad])
+    assert code == 2 and "--network" in stderr and len(stderr.strip().splitlines()) == 1
+    assert not (bad / "cells").exists()

@@ -2,7 +2,8 @@
 
     fedlabels bench --data DIR|embedded:FAMILY --bundle NAME --methods m1,m2 --seeds 0,1,2 --rounds R
                     [--local-epochs E] [--opt METHOD:key=value ...] [--eval-rounds 10,30,100]
-                    [--engine inprocess|flare] [--synth key=value ...] [--batch-size B] --out OUT
+                    [--engine inprocess|flare] [--synth key=value ...] [--batch-size B]
+                    [--network key=value ...] [--image-size N] --out OUT
 
 A *cell* is one method (or one floor row) and one seed. Each federated cell
 trains the method for R rounds and scores the global model on the scenario's
@@ -17,7 +18,9 @@ A row ``oracle:METHOD`` runs METHOD with every site's full labels (the
 scenario's ``oracle.json``): the upper bound of a label-scarce split, on the
 same split (e.g. ``oracle:wfedavg``, IsoFed's "wFedAvg (UB)").
 
-Every method gets the same client options unless ``--opt`` says otherwise:
+Every row, the floor included, trains the same network (``--network``: the
+bundle's ``network_def`` options, e.g. ``widen_factor=0.25``) at the same
+input size (``--image-size``). Every method gets the same client options unless ``--opt`` says otherwise:
 lr 1e-3 (``DEFAULT_LR``; the bundles set none for federated training) and
 E local epochs, so rows differ only in the method. ``--opt`` names are routed
 to the method's client or server rule by name (``all:`` = every method and
@@ -143,12 +146,19 @@ class Plan:
     synth: dict
     batch_size: int | None
     out: Path
+    network: dict = field(default_factory=dict)    # network_def overrides of every row (e.g. widen_factor)
+    image_size: int | None = None                 # the bundle's input size (None: the bundle's own)
     options: dict = field(default_factory=dict)   # method -> {"client": {...}, "server": {...}}
     floor_client: dict = field(default_factory=dict)
     family: str | None = None                     # embedded family
     per_seed_split: bool = False
     datasets: dict = field(default_factory=dict)  # seed -> scenario folder (resolved)
     scenarios: dict = field(default_factory=dict)  # seed -> profile.Scenario
+
+    @property
+    def config(self) -> dict | None:
+        """Bundle config overrides of every row."""
+        return {"image_size": self.image_size} if self.image_size else None
 
     @property
     def last_round(self) -> int:
@@ -240,10 +250,14 @@ def make_plan(args) -> Plan:
             raise ValueError(f"--synth: unknown option(s) {unknown}; options are {sorted(allowed)}")
     elif synth:
         raise ValueError("--synth applies to embedded data only (--data embedded:FAMILY)")
+    network = _key_values(getattr(args, "network", None), "--network")
+    image_size = getattr(args, "image_size", None)
+    if image_size is not None and image_size < 8:
+        raise ValueError(f"--image-size must be >= 8 pixels, got {image_size}")
     return Plan(data=data, bundle=bundle, methods=names, seeds=seeds, rounds=args.rounds, local_epochs=epochs,
                 eval_rounds=eval_rounds, engine=args.engine, synth=synth, batch_size=args.batch_size,
                 out=Path(args.out).resolve(), options=options, floor_client=floor, family=family,
-                per_seed_split=bool(family) or "{seed}" in data)
+                per_seed_split=bool(family) or "{seed}" in data, network=network, image_size=image_size)
 
 
 def prepare_data(plan: Plan) -> None:
@@ -281,6 +295,15 @@ def prepare_data(plan: Plan) -> None:
             raise ValueError(f"{plan.datasets[seed]}: task {sc.task} / classes {list(sc.classes)} differ from "
                              f"{plan.datasets[plan.seeds[0]]} ({first.task} / {list(first.classes)}): seeds must "
                              "split the same problem")
+    if plan.network:  # a misspelt network option fails here, not at the first cell
+        from .bundle import network
+
+        try:
+            network(plan.bundle, plan.network, dataset_dir=plan.datasets[plan.seeds[0]], class_names=list(first.classes),
+                    **(plan.config or {}))
+        except Exception as e:  # noqa: BLE001 -- MONAI wraps the constructor's TypeError in its own errors
+            raise ValueError(f"--network {plan.network}: the bundle's network_def does not take it: "
+                             f"{str(e).splitlines()[0]}") from None
     task = read(plan.bundle, plan.datasets[plan.seeds[0]]).get_parsed_content("task")
     if task != first.task:
         raise ValueError(f"bundle {plan.bundle.name}: task {task!r} does not match the scenario's task {first.task!r}")
@@ -334,7 +357,9 @@ def cell_config(plan: Plan, cell: Cell) -> dict:
     """What a cell's numbers depend on; a finished cell is reused only when this matches."""
     common = {"method": cell.method, "seed": cell.seed, "data": str(plan.datasets[cell.seed]), "synth": plan.synth,
               "bundle": str(plan.bundle), "rounds": plan.rounds, "eval_rounds": plan.eval_rounds,
-              "batch_size": plan.batch_size, "local_epochs": plan.local_epochs}
+              "batch_size": plan.batch_size, "local_epochs": plan.local_epochs,
+              **({"network": plan.network} if plan.network else {}),
+              **({"image_size": plan.image_size} if plan.image_size else {})}
     if cell.site:
         sc = plan.scenarios[cell.seed]
         return {**common, "client": floor_method(sc.task), "client_options": plan.floor_client}
@@ -353,7 +378,7 @@ def cells(plan: Plan) -> list:
 class Scorer:
     """Test-split metrics of one scenario: pooled (``references.score``) and per test-item ``group``."""
 
-    def __init__(self, bundle, data):
+    def __init__(self, bundle, data, network_overrides=None, config=None):
         from monai.data import DataLoader
         from torch.utils.data import Subset
 
@@ -363,8 +388,9 @@ class Scorer:
 
         sc = load_scenario(data, sites=[], with_test=True)
         self.task, self.classes = sc.task, sc.classes
-        self.loader = test_loader(bundle, data)
-        self.net = network(bundle, dataset_dir=data, class_names=list(sc.classes))
+        self.loader = test_loader(bundle, data, config=config)
+        self.net = network(bundle, network_overrides or None, dataset_dir=data, class_names=list(sc.classes),
+                           **(config or {}))
         self.n = len(sc.test)
         self.groups = {POOLED: self.loader}
         names = [i.get("group") for i in sc.test]
@@ -430,7 +456,8 @@ def run_federated_inprocess(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict
     key = KEY_METRICS[plan.scenarios[cell.seed].task]
     method = base_method(cell.method)
     setups = references.setups(plan.bundle, data, batch_size=plan.batch_size, seed=cell.seed, method=method,
-                               oracle=cell.method.startswith(ORACLE))
+                               oracle=cell.method.startswith(ORACLE), network_overrides=plan.network or None,
+                               config=plan.config)
     captured = {}
 
     def on_round(record, weights, best):
@@ -460,7 +487,8 @@ def run_federated_flare(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict:
     spec = JobSpec(name=f"bench_{cell_name(cell.method, cell.seed)}", method=base_method(cell.method),
                    oracle=cell.method.startswith(ORACLE), bundle=str(plan.bundle),
                    family=plan.family or "cxr", rounds=plan.rounds, sites=len(sc.sites), client=dict(opts["client"]),
-                   server=dict(opts["server"]), seed=cell.seed, batch_size=plan.batch_size)
+                   server=dict(opts["server"]), seed=cell.seed, batch_size=plan.batch_size,
+                   network=dict(plan.network), image_size=plan.image_size)
     work = plan.out / "flare" / cell_name(cell.method, cell.seed)
     job_dir = export(spec, work / "jobs")
     log(f"FLARE simulator, {len(sc.sites)} sites x {plan.rounds} rounds; log: {work / 'simulator.log'}")
@@ -480,7 +508,8 @@ def run_floor(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict:
     from .site import setup_site
 
     sc = plan.scenarios[cell.seed]
-    st = setup_site(plan.bundle, plan.datasets[cell.seed], cell.site, batch_size=plan.batch_size, seed=cell.seed)
+    st = setup_site(plan.bundle, plan.datasets[cell.seed], cell.site, batch_size=plan.batch_size, seed=cell.seed,
+                    network_overrides=plan.network or None, config=plan.config)
     first = plan.eval_rounds[0] * plan.local_epochs
     client = methods.get(floor_method(sc.task)).make_client(st.net, st.context(), **{**plan.floor_client,
                                                                                       "epochs": first})
@@ -546,7 +575,7 @@ def run(plan: Plan) -> dict:
         t0 = time.time()
         data = plan.datasets[cell.seed]
         if data not in scorers:
-            scorers[data] = Scorer(plan.bundle, data)
+            scorers[data] = Scorer(plan.bundle, data, plan.network, plan.config)
 
         def log(msg, _seed=cell.seed):
             _say(f"    seed {_seed} {msg}")
@@ -815,6 +844,9 @@ def add_parser(sub) -> None:
     s.add_argument("--synth", action="append", metavar="key=value",
                    help="embedded data option of fedlabels.data.synthetic.generate (e.g. cases=16); repeatable")
     s.add_argument("--batch-size", type=int, help="batch size (default: the bundle's)")
+    s.add_argument("--network", action="append", metavar="key=value",
+                   help="network option of every row, e.g. widen_factor=0.25 (the bundle's network_def arguments)")
+    s.add_argument("--image-size", type=int, help="input size in pixels of every row (default: the bundle's)")
     s.add_argument("--out", required=True, help="output folder (results.csv, results.md, plots/, cells/)")
     s.set_defaults(fn=cmd_bench)
 
