@@ -117,7 +117,8 @@ class StopRound(RuntimeError):
 class SiteContext:
     """What a client rule sees of its site.
 
-    ``train`` yields batches with ``image`` and ``label`` (and ``image_strong``,
+    ``train`` yields batches with ``image``, ``label``, ``index`` (each case's
+    position among the site's training cases) (and ``image_strong``,
     a second, strongly augmented view of the same cases, when the bundle
     defines ``train#strong_preprocessing``); ``val`` is the site's validation
     loader (may be None); ``summary`` is ``profile.label_summary`` of the
