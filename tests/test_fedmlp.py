@@ -221,18 +221,122 @@ def test_targets_fill_missing_entries_with_tags_and_mask_the_rest(cxr):
     assert (target[:, missing[1:]] == 0).all()  # without WPC an untagged missing entry is a negative
 
 
-def test_prototypes_are_class_means_of_the_site_features(cxr):
+def test_prototypes_are_class_means_of_the_first_view_features_in_eval_mode(cxr):
     st, client = make_client(cxr)
     client.ctx.reseed(3)
-    index, feats, _, labels = client.features()
-    client.ctx.reseed(3)  # the same augmentation draws
     out = client.summarise()
+    # independently: the same draws, the first view only, the network in eval mode
+    client.ctx.reseed(3)
+    cases = st.train_loader.dataset
+    cases.strong_on = False
+    net = copy.deepcopy(client.net).eval()
+    feats, labels, probs = {}, {}, {}
+    with torch.no_grad():
+        for batch in st.train_loader:
+            f = net.extract(batch["image"])
+            for i, fi, yi, pi in zip(batch["index"].tolist(), f, batch["label"], torch.sigmoid(net(batch["image"]))):
+                feats[i], labels[i], probs[i] = fi.numpy(), yi.numpy(), pi.numpy()
+    order = sorted(feats)
+    feats, labels = np.stack([feats[i] for i in order]), np.stack([labels[i] for i in order])
+    assert out["prototypes"]
     for key, (p0, p1) in out["prototypes"].items():
         c = int(key)
         assert client.labeled[c]
-        np.testing.assert_allclose(p0, feats[labels[:, c] == 0].mean(0), rtol=1e-5)
-        np.testing.assert_allclose(p1, feats[labels[:, c] == 1].mean(0), rtol=1e-5)
-    assert len(out["degree"]) == len(client.labeled)
+        np.testing.assert_allclose(p0, feats[labels[:, c] == 0].mean(0), rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(p1, feats[labels[:, c] == 1].mean(0), rtol=1e-4, atol=1e-6)
+    p = np.stack([probs[i] for i in order])
+    np.testing.assert_allclose(out["degree"], ((p < 0.3) | (p > 0.7)).mean(0))
+
+
+class Tiny(torch.nn.Module):
+    head_name = "head"
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(4, 3), torch.nn.Linear(3, 3)
+
+    def extract(self, x):
+        return torch.tanh(self.body(x))
+
+    def forward(self, x):
+        return self.head(self.extract(x))
+
+
+@pytest.mark.parametrize("options", [{}, {"two_views": False}, {"stage2_consistency": False},
+                                     {"logit_adjustment": False, "consistency_weight": 0.5}])
+def test_fedmlp_step_matches_a_reference_loop(options):
+    """Stage 2: WPC over labels and tags with the logit shift, consistency on the untagged missing
+    entries against the received model, averaged over the two views."""
+    from fedlabels.methods.base import SiteContext
+    from fedlabels.profile import SiteProfile, label_summary
+
+    g = torch.Generator().manual_seed(2)
+    profile = SiteProfile("s", "multilabel", ("a", "b", "c"), ("a",))
+    y = torch.full((6, 3), -1.0)
+    y[:, 0] = torch.tensor([1.0, 0, 0, 1, 0, 0])
+    batch = {"image": torch.randn(6, 4, generator=g), "image_strong": torch.randn(6, 4, generator=g), "label": y,
+             "index": torch.arange(6)}
+    ctx = SiteContext(profile, [batch], label_summary(profile, [{"label": r.long().tolist()} for r in y]))
+    torch.manual_seed(0)
+    net = Tiny()
+    ref = copy.deepcopy(net)
+    client = methods.get("fedmlp").make_client(net, ctx, lr=0.1, optimizer="sgd", **options)
+    client.tags[:] = -1
+    client.tags[[0, 2], 1] = [1, 0]  # class b tagged for two cases, class c never
+    client.begin_round(12, {"stage": 2})
+    client.optimizer = client.make_optimizer(client.net.parameters())
+    got = client.train_step(batch)
+
+    # by hand: pi1(a) = 2/6 (shift log(2/4)); pi1(b) = 1 of 2 tags (shift 0); c untagged (shift 0)
+    shift = torch.tensor([math.log(2 / 4), 0.0, 0.0]) if options.get("logit_adjustment", True) else torch.zeros(3)
+    target = y.clone()
+    target[0, 1], target[2, 1] = 1.0, 0.0
+    mask = (target < 0).float()
+    w = options.get("consistency_weight", 1.0) if options.get("stage2_consistency", True) else 0.0
+    views = [batch["image"]] + ([batch["image_strong"]] if options.get("two_views", True) else [])
+    teacher = copy.deepcopy(ref)
+    expected = 0
+    for v in views:
+        logits = ref(v)
+        bce = F.binary_cross_entropy_with_logits(logits + shift, target.clamp(min=0), reduction="none")
+        term = (bce * (target >= 0)).sum() / (6 * 3)
+        with torch.no_grad():
+            t = torch.sigmoid(teacher(v))
+        term = term + w * (((torch.sigmoid(logits) - t) ** 2) * mask).sum() / mask.sum()
+        expected = expected + term / len(views)
+    assert got == pytest.approx(float(expected), rel=1e-5)
+    expected.backward()
+    with torch.no_grad():
+        for p_ref, p_got in zip(ref.parameters(), client.net.parameters()):
+            torch.testing.assert_close(p_got, p_ref - 0.1 * p_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_pos_weighted_on_adds_the_shared_weighting_to_wpc():
+    logits = torch.tensor([[0.5, -1.0]])
+    target = torch.tensor([[1.0, 0.0]])
+    w = torch.tensor([3.0, 1.0])
+    # positives count 3 times: (3 softplus(-0.5) + softplus(-1) ... ) over C = 2
+    expected = (3 * math.log1p(math.exp(-0.5)) + math.log1p(math.exp(-1.0))) / 2
+    assert float(wpc_loss(logits, target, None, w)) == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_engine_logs_what_the_rule_dropped_and_records_it():
+    from fedlabels.engine import RoundEngine
+
+    server = FedMLPServer(warmup_rounds=1)
+    server.setup(summaries())
+    logged = []
+
+    def send(step, targets, weights, rnd, extras):
+        return [update("s1", {"1": [[0.0, 1.0], [1.0, 0.0]]}, [0.5, 0.4, 0.2]),
+                update("s2", {"1": [[0.0, 1.0], [1.0, 0.0]]}, [0.5, 0.4, 0.2])]
+
+    engine = RoundEngine(server, send, key_metric="val_auroc", log=lambda level, msg: logged.append((level, msg)))
+    _, record, _ = engine.run_round(0, {"w": np.zeros(2, np.float32)}, ["s1", "s2"])
+    assert any("s1" in n and "does not annotate" in n for n in record["notes"])
+    assert any(level == "warning" and "does not annotate" in msg for level, msg in logged)
+    _, record, _ = engine.run_round(1, {"w": np.zeros(2, np.float32)}, ["s1", "s2"])
+    assert any("without prototypes for classes [0]" in n for n in record["notes"])  # s1 never sent a usable one
 
 
 # ---------------------------------------------------------------- baselines

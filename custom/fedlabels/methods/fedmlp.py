@@ -21,10 +21,10 @@ Prototypes (from round ``warmup_rounds - 1`` on, every round): after local
     with ``prototype_weighting="size"``, the released code) and broadcasts them.
 Stage 2: missing-label detection (Eqs. 7-9). At the start of the round the
     site scores every case not yet tagged for each class it does not annotate
-    with the received global model: Z = cos(P0, F) - cos(P1, F). Among Z >= 0
-    the top floor(tau0 x pool) by Z become pseudo-negatives, among Z < 0 the
-    top floor(tau1 x pool) by -Z pseudo-positives (the released code's
-    ``int()``; ties by case order). Tags are permanent and accumulate over
+    with the received global model: Z = cos(P0, F) - cos(P1, F). Among the n0
+    cases with Z >= 0 the top floor(tau0 x n0) by Z become pseudo-negatives,
+    among the n1 with Z < 0 the top floor(tau1 x n1) by -Z pseudo-positives
+    (the released code's ``int()``; ties by case order). Tags are permanent and accumulate over
     rounds; they are part of the site's saved state, so they survive a
     resume. With ``adaptive_threshold`` (Eq. 10) tau = d_c^G x T, d_c^G the
     size-weighted mean of d_c^k; else tau = T.
@@ -42,9 +42,14 @@ What leaves a site, per round, besides the model and its label summary:
     ``degree`` = C floats. Logged once per run at the site.
 
 Released code (``fedmlp_code``): no logit adjustment, no adaptive threshold
-(tau = T), consistency in stage 1 only, prototypes weighted by site size.
+(tau = T), consistency in stage 1 only, prototypes weighted by site size. Not
+reproduced: its stage 2 trains on the first view only and averages the BCE
+over the labeled entries, and its stage 1 divides by batch x annotated
+classes; here both stages use both views and divide by batch x C.
 Table 3's ablation switches: ``mld`` (server: no prototypes, no tags),
-``wpc`` (False: the missing entries count as negatives, FedAvg's loss),
+``wpc`` (False: the untagged missing entries count as negatives, as in
+FedAvg's loss, still with the logit adjustment unless ``logit_adjustment`` is
+off, and still under the consistency term when it is on),
 ``warmup_consistency`` / ``stage2_consistency`` (CR) and
 ``adaptive_threshold`` (ST).
 
@@ -55,7 +60,9 @@ Where the paper is silent or contradicts itself (docs/methods.md):
       (default) follows the text and the code; ``"annotating"`` Eq. 10.
     * pi for a class the site does not annotate: the positive rate among its
       tags; no adjustment (shift 0) while it has no tags, or when a rate is 0
-      or 1 (the log would be infinite).
+      or 1 (the log would be infinite). With tau1 = 2 tau0 this rate
+      overstates the prevalence (the released code divides the tagged
+      positives by all cases instead).
     * the consistency term is averaged over the entries it covers (the
       released code divides by batch x missing classes).
 """
@@ -92,12 +99,13 @@ def logit_shift(positives, labeled) -> np.ndarray:
     return np.where(ok, np.log(safe_pos / safe_neg), 0.0).astype(np.float32)
 
 
-def wpc_loss(logits, target, shift=None) -> torch.Tensor:
+def wpc_loss(logits, target, shift=None, pos_weight=None) -> torch.Tensor:
     """Eq. 4: BCE over entries with a label (target >= 0), summed and divided by batch x C, on
-    logit-adjusted logits (``shift`` = ``logit_shift``; None: no adjustment)."""
+    logit-adjusted logits (``shift`` = ``logit_shift``; None: no adjustment); ``pos_weight`` per class
+    (not the paper's: the shared weighting when a run turns it on)."""
     if shift is not None:
         logits = logits + torch.as_tensor(shift, dtype=logits.dtype, device=logits.device)
-    return partial_bce(logits, target, divisor=logits.shape[1])
+    return partial_bce(logits, target, pos_weight=pos_weight, divisor=logits.shape[1])
 
 
 def average_prototypes(sent: dict, sizes: dict, weighting: str = "mean") -> dict:
@@ -181,7 +189,8 @@ class FedMLPClient(HeadMetaMixin, ClientRule):
         self.low, self.high, self.two_views = float(degree_low), float(degree_high), bool(two_views)
         _strong_views(ctx, self.two_views)
         self.labeled = np.asarray(ctx.summary[LABELED_MASK], dtype=bool)
-        n = len(getattr(ctx.train, "dataset", ()))
+        dataset = getattr(ctx.train, "dataset", None)
+        n = len(dataset) if dataset is not None else int(ctx.summary["cases"])
         # tags[i, c]: 0 / 1 once case i is tagged for missing class c, -1 before (permanent once set)
         self.tags = np.full((n, len(self.labeled)), -1, dtype=np.int8)
         self.stage, self.collect, self.teacher, self.round_stats, self.announced = 1, False, None, {}, False
@@ -219,6 +228,8 @@ class FedMLPClient(HeadMetaMixin, ClientRule):
                 p.requires_grad_(False)
         if self.stage == 2 and extras.get(PROTOTYPES):
             self.detect(extras)
+        elif self.stage == 2:  # no prototypes (mld off, or none reached the server): nothing new is tagged
+            self.round_stats = {"tagged_negatives": 0, "tagged_positives": 0, "tags_total": int((self.tags >= 0).sum())}
         self.set_train_mode()
         self._shift = self.shift()
 
@@ -274,7 +285,7 @@ class FedMLPClient(HeadMetaMixin, ClientRule):
         for view in views:
             x = view.to(self.device)
             logits = self.net(x)
-            term = wpc_loss(logits, target, self._shift)
+            term = wpc_loss(logits, target, self._shift, self.pos_weight)
             if self.teacher is not None:
                 with torch.no_grad():
                     teacher = torch.sigmoid(self.teacher(x))
@@ -363,6 +374,11 @@ class FedMLPServer(FedAvgServer):
     def extras(self, round, step):
         stage = 1 if round < self.warmup_rounds else 2
         out = {STAGE: stage, COLLECT: self.mld and round >= self.warmup_rounds - 1}
+        if stage == 2 and self.mld:
+            lacking = sorted(c for c, s in self.annotators.items() if s and c not in self.prototypes)
+            if lacking:
+                self.notes.append(f"stage 2 without prototypes for classes {lacking} (no usable update sent them "
+                                  "yet): no case is tagged for them this round")
         if stage == 2 and self.mld and self.prototypes:
             out[PROTOTYPES] = {str(c): p.tolist() for c, p in self.prototypes.items()}
             d = self.degree if (self.adaptive and self.degree is not None) else np.ones(self.num_classes)
@@ -397,7 +413,7 @@ class FedMLPServer(FedAvgServer):
                 degrees[u.site] = d
             else:
                 self.notes.append(f"{u.site}: degree dropped: shape {d.shape}, expected ({self.num_classes},), finite")
-        if any(sent.values()):
+        if any(sent.values()):  # a class no update sent this round keeps its previous prototypes
             self.prototypes = {**self.prototypes, **average_prototypes(sent, self.sizes, self.weighting)}
         if degrees:
             if self.degree_sites == "missing":
