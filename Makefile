@@ -22,7 +22,7 @@ demo: venv
 	$(BIN)/fedlabels demo --out demo
 
 test: venv
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 jobs: venv
 	$(BIN)/fedlabels jobs --out nvflare_jobs
