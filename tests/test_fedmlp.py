@@ -198,6 +198,9 @@ def test_tags_accumulate_across_rounds_and_survive_a_resume(cxr):
     st2, again = make_client(cxr)
     again.load_state_dict(client.state_dict())
     np.testing.assert_array_equal(again.tags, second)
+    np.testing.assert_array_equal(again.tagged_at, client.tagged_at)
+    assert set(np.unique(client.tagged_at[first >= 0])) == {5}  # the round each tag was made
+    assert set(np.unique(client.tagged_at[(second >= 0) & (first < 0)])) == {6}
     for c in (again, client):  # as ClientRule.train does: each round's draws are seeded by (site, round)
         c.ctx.reseed(7)
         c.begin_round(7, extras)

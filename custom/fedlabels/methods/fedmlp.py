@@ -193,6 +193,8 @@ class FedMLPClient(HeadMetaMixin, ClientRule):
         n = len(dataset) if dataset is not None else int(ctx.summary["cases"])
         # tags[i, c]: 0 / 1 once case i is tagged for missing class c, -1 before (permanent once set)
         self.tags = np.full((n, len(self.labeled)), -1, dtype=np.int8)
+        self.tagged_at = np.full(self.tags.shape, -1, dtype=np.int32)  # the round a tag was made (for analysis)
+        self.round = -1
         self.stage, self.collect, self.teacher, self.round_stats, self.announced = 1, False, None, {}, False
 
     # ---------------------------------------------------------------- labels
@@ -217,6 +219,7 @@ class FedMLPClient(HeadMetaMixin, ClientRule):
 
     # ---------------------------------------------------------------- round
     def begin_round(self, round, extras):
+        self.round = int(round)
         self.stage = int(extras.get(STAGE, 1))
         self.collect = bool(extras.get(COLLECT, False))
         self.round_stats = {}
@@ -272,6 +275,7 @@ class FedMLPClient(HeadMetaMixin, ClientRule):
             negs, poss = select_tags(z, tau0[c], tau1[c])
             self.tags[pool[negs], c] = 0
             self.tags[pool[poss], c] = 1
+            self.tagged_at[pool[negs], c] = self.tagged_at[pool[poss], c] = self.round
             new[0] += len(negs)
             new[1] += len(poss)
         self.round_stats = {"tagged_negatives": new[0], "tagged_positives": new[1],
@@ -321,7 +325,8 @@ class FedMLPClient(HeadMetaMixin, ClientRule):
 
     # ---------------------------------------------------------------- state
     def state_dict(self):
-        return {**super().state_dict(), "tags": self.tags.copy(), "announced": self.announced}
+        return {**super().state_dict(), "tags": self.tags.copy(), "tagged_at": self.tagged_at.copy(),
+                "announced": self.announced}
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
@@ -329,6 +334,7 @@ class FedMLPClient(HeadMetaMixin, ClientRule):
             raise ValueError(f"saved tags have shape {state['tags'].shape}, this site's training cases "
                              f"{self.tags.shape}: the site's data changed since the state was saved")
         self.tags, self.announced = state["tags"].copy(), bool(state["announced"])
+        self.tagged_at = state["tagged_at"].copy()
 
 
 # ---------------------------------------------------------------- server
