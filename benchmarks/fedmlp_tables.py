@@ -14,7 +14,8 @@ local epoch (about 300 local steps per site), scored at rounds 10, 20, 30.
 Runs (each seed a ``fedlabels bench`` process of its own, ``--jobs`` at once; resumable cell by cell):
 
 * ``main``: fedavg (missing as negatives, pos-weighted: the paper's FedAvg),
-  fedavg_pl, fedfixmatch, fednoro, surgical (no head warm-up: the backbone is
+  fedavg_pl, fedfixmatch, fednoro, rscfed_pl (RSCFed: 3 random subsets of 3
+  sites a round), surgical (no head warm-up: the backbone is
   not pretrained), fedpsl and fedmlp with the paper's defaults
   (T0 = 0.5 %, T1 = 1 %, adaptive threshold) and ``warmup_rounds`` 10, plus
   the floor (each site alone);
@@ -48,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 COMMON = ["--bundle", "cxr_resnet18", "--rounds", "30", "--eval-rounds", "10,20,30", "--local-epochs", "1",
           "--batch-size", "16", "--network", "widen_factor=0.25", "--image-size", "32"]
 RUNS = {
-    "main": (["fedavg", "fedavg_pl", "fedfixmatch", "fednoro", "surgical", "fedpsl", "fedmlp"],
+    "main": (["fedavg", "fedavg_pl", "fedfixmatch", "fednoro", "rscfed_pl", "surgical", "fedpsl", "fedmlp"],
              ["--opt", "surgical:warmup_epochs=0", "--opt", "fedmlp:warmup_rounds=10",
               "--opt", "fednoro:rampup_begin=0", "--opt", "fednoro:rampup_end=29"]),
     "fedmlp_t10": (["fedmlp"], ["--opt", "fedmlp:warmup_rounds=10", "--opt", "fedmlp:tau0=0.1",
@@ -56,12 +57,14 @@ RUNS = {
     "fedmlp_nomld": (["fedmlp"], ["--opt", "fedmlp:warmup_rounds=10", "--opt", "fedmlp:mld=false"]),
 }
 LABELS = {"fedavg": "FedAvg", "fedavg_pl": "FedAvg-PL", "fedfixmatch": "FedFixMatch", "fednoro": "FedNoRo",
+          "rscfed_pl": "RSCFed",
           "surgical": "Surgical", "fedpsl": "FedPSL", "fedmlp": "FedMLP"}
 # FedMLP Tables 1-2, the level "one class per site": (BACC, AUROC, mAP) in %, last-epoch model.
 PAPER = {"fedavg": {"cxr14": (50.00, 66.64, 12.16), "ich": (50.00, 76.32, 32.62)},
          "fedavg_pl": {"cxr14": (53.30, 64.80, 11.49), "ich": (61.46, 79.48, 40.60)},
          "fedfixmatch": {"cxr14": (54.52, 65.59, 11.42), "ich": (50.00, 74.90, 31.05)},
          "fednoro": {"cxr14": (66.54, 74.23, 20.31), "ich": (74.64, 85.09, 59.28)},
+         "rscfed_pl": {"cxr14": (50.49, 65.92, 14.70), "ich": (67.16, 71.16, 36.89)},
          "fedmlp": {"cxr14": (70.08, 75.76, 22.48), "ich": (80.07, 88.47, 59.31)}}
 METRICS = ("bacc", "auroc", "ap")
 

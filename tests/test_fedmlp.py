@@ -415,3 +415,32 @@ def test_fixmatch_and_fednoro_steps_match_a_reference_loop():
             for p_ref, p_got in zip(ref.parameters(), client.net.parameters()):
                 step = p_ref - 0.1 * p_ref.grad  # SGD momentum's first step is a plain step
                 torch.testing.assert_close(p_got, step, rtol=1e-5, atol=1e-6)
+
+
+def test_rscfed_partial_step_matches_a_reference_loop():
+    """Partial BCE (weak view) + MSE of the strong-view student to the weak-view teacher on the missing
+    entries; the teacher then moves by EMA towards the stepped student."""
+    ctx, batch = tiny_site()
+    pw = torch.tensor([2.0, 1.0, 1.0])
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    ref = copy.deepcopy(net)
+    client = methods.get("rscfed_pl").make_client(net, ctx, lr=0.1, optimizer="sgd", ema_alpha=0.25)
+    client.begin_round(0, {})
+    client.optimizer = client.make_optimizer(client.net.parameters())
+    got = client.train_step(batch)
+    y = batch["label"]
+    missing = (y < 0).float()
+    with torch.no_grad():
+        t = torch.sigmoid(ref(batch["image"]))
+    expected = partial_bce(ref(batch["image"]), y, pos_weight=pw) + \
+        (((torch.sigmoid(ref(batch["image_strong"])) - t) ** 2) * missing).sum() / missing.sum()
+    assert got == pytest.approx(float(expected), rel=1e-5)
+    teacher0 = copy.deepcopy(ref)
+    expected.backward()
+    with torch.no_grad():
+        for p_ref, p_got, p_t, p_t0 in zip(ref.parameters(), client.net.parameters(), client.teacher.parameters(),
+                                           teacher0.parameters()):
+            stepped = p_ref - 0.1 * p_ref.grad
+            torch.testing.assert_close(p_got, stepped, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(p_t, 0.75 * p_t0 + 0.25 * stepped, rtol=1e-5, atol=1e-6)

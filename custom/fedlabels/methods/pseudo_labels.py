@@ -22,6 +22,16 @@ each differs from ``fedavg_pl`` only in its term for the missing classes.
   ramp). Its distance-aware aggregation is not used: with every site noisy
   it has no clean site to measure distances to (the released code calls
   plain FedAvg as well).
+* ``rscfed_pl`` -- RSCFed (Liang et al., CVPR 2022) on partial labels, as
+  FedMLP compares with it: the server is IsoFed's ``RSCFedServer`` (random
+  subsets of sites, each distance-weighted from the same start, the global
+  model the mean of the subset models); each site trains the partial BCE on
+  its annotated entries and distils to a mean teacher on its missing ones:
+  the teacher starts each round as the received model, sees the weak view,
+  the student the strong view, the loss adds ``consistency_weight`` x the
+  mean squared difference of their sigmoids over the missing entries, and
+  the teacher follows the student by EMA after each step (``ema_alpha``,
+  RSCFed's decay 0.999 = 0.001).
 
 What a site sends: the model and its label summary, as FedAvg.
 """
@@ -37,7 +47,7 @@ import torch.nn.functional as F
 from ..losses import partial_bce
 from .base import ClientRule
 from .fedavg import FedAvgServer
-from .semisup import _strong_views
+from .semisup import RSCFedServer, _strong_views
 
 
 def _multilabel(client, name):
@@ -144,6 +154,54 @@ class NoRoClient(ClientRule):
         return super().make_update(n, {**metrics, "kd_weight": self.w})
 
 
+class PartialMeanTeacherClient(ClientRule):
+    """Partial BCE on the annotated entries + mean-teacher consistency on the missing ones."""
+
+    def __init__(self, net, ctx, *, ema_alpha=0.001, consistency_weight=1.0, **kw):
+        super().__init__(net, ctx, **kw)
+        _multilabel(self, "RSCFed on partial labels")
+        if not 0 <= ema_alpha <= 1:
+            raise ValueError(f"ema_alpha must be in [0, 1], got {ema_alpha}")
+        if consistency_weight < 0:
+            raise ValueError(f"consistency_weight must be >= 0, got {consistency_weight}")
+        self.ema_alpha, self.consistency_weight = float(ema_alpha), float(consistency_weight)
+        _strong_views(ctx, True)
+        self.teacher = None
+
+    def begin_round(self, round, extras):
+        self.teacher = copy.deepcopy(self.net)
+        for p in self.teacher.parameters():
+            p.requires_grad_(False)
+
+    def train_step(self, batch):
+        weak, y = batch["image"].to(self.device), batch["label"].to(self.device)
+        loss = partial_bce(self.net(weak), y, pos_weight=self.pos_weight)
+        missing = (y < 0).to(weak.dtype)
+        if missing.any() and self.consistency_weight > 0:
+            with torch.no_grad():
+                target = torch.sigmoid(self.teacher(weak))
+            student = torch.sigmoid(self.net(batch["image_strong"].to(self.device)))
+            loss = loss + self.consistency_weight * (((student - target) ** 2) * missing).sum() / missing.sum()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        with torch.no_grad():  # the teacher follows the student (buffers: copied)
+            for t, s in zip(self.teacher.parameters(), self.net.parameters()):
+                t.mul_(1 - self.ema_alpha).add_(s.detach(), alpha=self.ema_alpha)
+            for t, s in zip(self.teacher.buffers(), self.net.buffers()):
+                t.copy_(s)
+        return float(loss.detach())
+
+
+class PartialRSCFedServer(RSCFedServer):
+    """IsoFed's RSCFed server; every site holds labels here, and its mean teacher covers the missing classes."""
+
+    def setup(self, summaries):
+        super().setup(summaries)
+        return [f"RSCFed on partial labels: {self.subsets} random subsets of {self.subset_size} of the "
+                f"{len(summaries)} sites each round, distance-weighted (lambda_c = {self.lambda_c})"]
+
+
 def _register():
     from . import Method, register
 
@@ -152,6 +210,8 @@ def _register():
                     doc="FedFixMatch: confident weak-view pseudo labels on the missing classes, strong-view BCE"))
     register(Method("fednoro", NoRoClient, FedAvgServer, ml,
                     doc="FedNoRo stage 2: partial BCE + ramped distillation to the global model on missing classes"))
+    register(Method("rscfed_pl", PartialMeanTeacherClient, PartialRSCFedServer, ml, strong_view=True,
+                    doc="RSCFed on partial labels: random distance-weighted subsets; mean teacher on missing classes"))
 
 
 _register()
