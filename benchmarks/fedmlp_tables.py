@@ -24,7 +24,9 @@ Runs (each seed a ``fedlabels bench`` process of its own, ``--jobs`` at once; re
   class a round); with 150 they tag nothing (int(0.01 x d x 150) = 0), so this
   row keeps the per-round count of tags nearer the paper's;
 * ``fedmlp_nomld``: fedmlp without missing-label detection (``mld=false``:
-  WPC and consistency only), Table 3's "w/o MLD".
+  WPC and consistency only), Table 3's "w/o MLD";
+* ``fedmlp_t10_nowpc`` / ``fedmlp_t10_nocr``: the 10 % row without WPC
+  (untagged missing entries as negatives) / without stage-2 consistency.
 
 The table (``TABLE.md``) holds the last model at round 30 and the best on
 validation, macro BACC at 0.5, AUROC and mAP on the pooled test split,
@@ -55,6 +57,13 @@ RUNS = {
     "fedmlp_t10": (["fedmlp"], ["--opt", "fedmlp:warmup_rounds=10", "--opt", "fedmlp:tau0=0.1",
                                 "--opt", "fedmlp:tau1=0.1", "--opt", "fedmlp:adaptive_threshold=false"]),
     "fedmlp_nomld": (["fedmlp"], ["--opt", "fedmlp:warmup_rounds=10", "--opt", "fedmlp:mld=false"]),
+    # Table 3's other switches, on the row that tags (at the paper's ratios nothing is tagged here)
+    "fedmlp_t10_nowpc": (["fedmlp"], ["--opt", "fedmlp:warmup_rounds=10", "--opt", "fedmlp:tau0=0.1",
+                                      "--opt", "fedmlp:tau1=0.1", "--opt", "fedmlp:adaptive_threshold=false",
+                                      "--opt", "fedmlp:wpc=false"]),
+    "fedmlp_t10_nocr": (["fedmlp"], ["--opt", "fedmlp:warmup_rounds=10", "--opt", "fedmlp:tau0=0.1",
+                                     "--opt", "fedmlp:tau1=0.1", "--opt", "fedmlp:adaptive_threshold=false",
+                                     "--opt", "fedmlp:stage2_consistency=false"]),
 }
 LABELS = {"fedavg": "FedAvg", "fedavg_pl": "FedAvg-PL", "fedfixmatch": "FedFixMatch", "fednoro": "FedNoRo",
           "rscfed_pl": "RSCFed",
@@ -168,6 +177,8 @@ def section(out: Path, seeds, missing: int) -> list:
     rows = [("main", m, LABELS[m]) for m in RUNS["main"][0]]
     if missing == 7:
         rows += [("fedmlp_t10", "fedmlp", "FedMLP, T0 = T1 = 10 %, no ST"),
+                 ("fedmlp_t10_nowpc", "fedmlp", "FedMLP, T0 = T1 = 10 %, no ST, w/o WPC"),
+                 ("fedmlp_t10_nocr", "fedmlp", "FedMLP, T0 = T1 = 10 %, no ST, w/o CR"),
                  ("fedmlp_nomld", "fedmlp", "FedMLP w/o MLD")]
     floor = sorted({row for (run, row, _) in cells if run == "main" and row.startswith("local:")})
     lines = ["", f"## Each site annotates {keep} of the 8 classes (--missing {missing})", "",
