@@ -165,7 +165,9 @@ def table(out: Path, seeds, levels) -> str:
              "Last model after 30 rounds (about 300 local steps per site) and the best on validation; pooled "
              "test split (800 cases); macro BACC at 0.5, AUROC, mAP in %; mean ± sd over the seeds' splits "
              "(the count of seeds in brackets). Paper: FedMLP Tables 1-2 at one class per site "
-             "(ChestX-ray14 / ICH, last-epoch model, 500 rounds, ImageNet ResNet-18, ~3,000 cases a site)."]
+             "(ChestX-ray14 / ICH, last-epoch model, 500 rounds, ImageNet ResNet-18, ~3,000 cases a site). "
+             "RSCFed's sites validate only in the rounds they are drawn, so no round is a best-model candidate "
+             "and its best-on-validation model is the final one."]
     for missing in levels:
         lines += section(out, seeds, missing)
     return "\n".join(lines) + "\n"
