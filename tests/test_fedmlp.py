@@ -14,8 +14,9 @@ from fedlabels.bundle import bundle_path
 from fedlabels.data.synthetic import generate
 from fedlabels.losses import partial_bce
 from fedlabels.methods.base import Update
-from fedlabels.methods.fedmlp import (FedMLPServer, average_prototypes, consistency_loss, global_degree,
-                                      learning_degree, logit_shift, select_tags, wpc_loss, z_scores)
+from fedlabels.losses import masked_mse as consistency_loss
+from fedlabels.methods.fedmlp import (FedMLPServer, average_prototypes, global_degree, learning_degree, logit_shift,
+                                      select_tags, wpc_loss, z_scores)
 from fedlabels.methods.pseudo_labels import distillation_loss, fixmatch_targets, rampup
 from fedlabels.references import setups
 

@@ -75,6 +75,11 @@ def consistency_mse(target_probs: torch.Tensor, probs: torch.Tensor) -> torch.Te
     return ((target_probs - probs) ** 2).sum(1).mean()
 
 
+def masked_mse(probs: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean squared difference over the entries in ``mask`` (0, connected to the graph, when none)."""
+    return (((probs - target) ** 2) * mask).sum() / mask.sum().clamp(min=1)
+
+
 def information_maximization(logits: torch.Tensor) -> torch.Tensor:
     """IsoFed's Eq. 4: mean per-case entropy minus the entropy of the mean prediction.
 

@@ -205,6 +205,23 @@ def load_weights(net: torch.nn.Module, weights: dict, skip=()) -> None:
                 own[k].copy_(torch.as_tensor(np.asarray(v)).to(own[k].dtype))
 
 
+def frozen_copy(net: torch.nn.Module) -> torch.nn.Module:
+    """A teacher: a copy of ``net`` in inference mode whose parameters take no gradient."""
+    teacher = copy.deepcopy(net).eval()
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
+@torch.no_grad()
+def ema_update(teacher: torch.nn.Module, student: torch.nn.Module, alpha: float) -> None:
+    """Mean teacher: parameters move by alpha towards the student's; buffers (if any) follow the student."""
+    for t, s in zip(teacher.parameters(), student.parameters()):
+        t.mul_(1 - alpha).add_(s.detach(), alpha=alpha)
+    for t, s in zip(teacher.buffers(), student.buffers()):
+        t.copy_(s)
+
+
 def make_optimizer(name: str, params, lr: float, weight_decay: float = 0.0):
     """The one optimizer factory: ``params`` is a list of tensors or of parameter groups."""
     if name == "adam":

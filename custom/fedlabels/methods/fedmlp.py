@@ -69,15 +69,14 @@ Where the paper is silent or contradicts itself (docs/methods.md):
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..losses import partial_bce
-from .base import LABELED_MASK, ClientRule, ServerRule
+from ..losses import masked_mse, partial_bce
+from .base import LABELED_MASK, ClientRule, ServerRule, frozen_copy
 from .fedavg import FedAvgServer
 from .semisup import _strong_views
 from .surgical import HeadMetaMixin
@@ -161,12 +160,6 @@ def global_degree(degrees: dict, sizes: dict, sites_for: dict) -> np.ndarray:
     return out
 
 
-def consistency_loss(probs, teacher_probs, mask) -> torch.Tensor:
-    """Mean squared difference over the entries in ``mask`` (0, connected to the graph, when none)."""
-    sq = (probs - teacher_probs) ** 2 * mask
-    return sq.sum() / mask.sum().clamp(min=1)
-
-
 # ---------------------------------------------------------------- client
 
 class FedMLPClient(HeadMetaMixin, ClientRule):
@@ -226,9 +219,7 @@ class FedMLPClient(HeadMetaMixin, ClientRule):
         uses_teacher = self.consistency[self.stage] and self.consistency_weight > 0 and not self.labeled.all()
         self.teacher = None
         if uses_teacher:
-            self.teacher = copy.deepcopy(self.net).eval()
-            for p in self.teacher.parameters():
-                p.requires_grad_(False)
+            self.teacher = frozen_copy(self.net)
         if self.stage == 2 and extras.get(PROTOTYPES):
             self.detect(extras)
         elif self.stage == 2:  # no prototypes (mld off, or none reached the server): nothing new is tagged
@@ -293,7 +284,7 @@ class FedMLPClient(HeadMetaMixin, ClientRule):
             if self.teacher is not None:
                 with torch.no_grad():
                     teacher = torch.sigmoid(self.teacher(x))
-                term = term + self.consistency_weight * consistency_loss(torch.sigmoid(logits), teacher, untagged)
+                term = term + self.consistency_weight * masked_mse(torch.sigmoid(logits), teacher, untagged)
             loss = loss + term / len(views)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()

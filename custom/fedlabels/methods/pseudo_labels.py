@@ -38,14 +38,13 @@ What a site sends: the model and its label summary, as FedAvg.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import torch
 import torch.nn.functional as F
 
-from ..losses import partial_bce
-from .base import ClientRule
+from ..losses import masked_mse, partial_bce
+from .base import ClientRule, ema_update, frozen_copy
 from .fedavg import FedAvgServer
 from .semisup import RSCFedServer, _strong_views
 
@@ -110,8 +109,7 @@ def rampup(round: int, begin: int, end: int) -> float:
 
 def distillation_loss(logits, teacher_logits, missing, temperature: float):
     """Mean squared difference of sigmoid(logits) and sigmoid(teacher / T) over the ``missing`` entries."""
-    sq = (torch.sigmoid(logits) - torch.sigmoid(teacher_logits / temperature)) ** 2 * missing
-    return sq.sum() / missing.sum().clamp(min=1)
+    return masked_mse(torch.sigmoid(logits), torch.sigmoid(teacher_logits / temperature), missing)
 
 
 class NoRoClient(ClientRule):
@@ -132,9 +130,7 @@ class NoRoClient(ClientRule):
 
     def begin_round(self, round, extras):
         self.w = self.kd_weight * rampup(round, self.begin, self.end)
-        self.teacher = copy.deepcopy(self.net).eval()
-        for p in self.teacher.parameters():
-            p.requires_grad_(False)
+        self.teacher = frozen_copy(self.net)
 
     def train_step(self, batch):
         x, y = batch["image"].to(self.device), batch["label"].to(self.device)
@@ -169,9 +165,7 @@ class PartialMeanTeacherClient(ClientRule):
         self.teacher = None
 
     def begin_round(self, round, extras):
-        self.teacher = copy.deepcopy(self.net)
-        for p in self.teacher.parameters():
-            p.requires_grad_(False)
+        self.teacher = frozen_copy(self.net)
 
     def train_step(self, batch):
         weak, y = batch["image"].to(self.device), batch["label"].to(self.device)
@@ -181,15 +175,11 @@ class PartialMeanTeacherClient(ClientRule):
             with torch.no_grad():
                 target = torch.sigmoid(self.teacher(weak))
             student = torch.sigmoid(self.net(batch["image_strong"].to(self.device)))
-            loss = loss + self.consistency_weight * (((student - target) ** 2) * missing).sum() / missing.sum()
+            loss = loss + self.consistency_weight * masked_mse(student, target, missing)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
-        with torch.no_grad():  # the teacher follows the student (buffers: copied)
-            for t, s in zip(self.teacher.parameters(), self.net.parameters()):
-                t.mul_(1 - self.ema_alpha).add_(s.detach(), alpha=self.ema_alpha)
-            for t, s in zip(self.teacher.buffers(), self.net.buffers()):
-                t.copy_(s)
+        ema_update(self.teacher, self.net, self.ema_alpha)
         return float(loss.detach())
 
 

@@ -32,14 +32,13 @@ as every method here; nothing else.
 
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 import torch
 
 from ..losses import consistency_mse, information_maximization, masked_cross_entropy, sharpen
 from .aggregate import average_keys, distance_weights
-from .base import START_GLOBAL, START_PREVIOUS, ClientRule, ServerRule, Step, StopRound
+from .base import START_GLOBAL, START_PREVIOUS, ClientRule, ServerRule, Step, StopRound, ema_update, frozen_copy
 
 
 class SupervisedClient(ClientRule):
@@ -89,9 +88,7 @@ class SemiSupClient(SupervisedClient):
             return
         if self.pretrain:
             self.round_stats["pretrain_loss"] = self.adapt()
-        self.teacher = copy.deepcopy(self.net).eval()
-        for p in self.teacher.parameters():
-            p.requires_grad_(False)
+        self.teacher = frozen_copy(self.net)
 
     def adapt(self) -> float:
         """Client-adaptive pretraining: the information-maximisation loss on local images."""
@@ -129,14 +126,9 @@ class SemiSupClient(SupervisedClient):
         self.update_teacher()
         return float(loss.detach())
 
-    @torch.no_grad()
     def update_teacher(self):
         """Eq. 1 on parameters; buffers (if any) follow the student."""
-        a = self.ema_alpha
-        for t, s in zip(self.teacher.parameters(), self.net.parameters()):
-            t.mul_(1 - a).add_(s.detach(), alpha=a)
-        for t, s in zip(self.teacher.buffers(), self.net.buffers()):
-            t.copy_(s)
+        ema_update(self.teacher, self.net, self.ema_alpha)
 
     def make_update(self, n, metrics):
         return super().make_update(n, {**metrics, **self.round_stats})
