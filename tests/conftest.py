@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-SIMULATOR_MODULES = frozenset({"test_flare.py", "test_claims.py", "test_deploy.py", "test_fedmlp_claims.py"})
+SIMULATOR_MODULES = frozenset({"test_flare.py", "test_claims.py", "test_deploy.py", "test_fedmlp_claims.py",
+                               "test_fedmix_flare.py"})
 
 
 def pytest_collection_modifyitems(config, items):

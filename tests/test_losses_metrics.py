@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedlabels.losses import naive_bce, partial_bce, pos_weights, soft_dice_loss
+from fedlabels.losses import naive_bce, partial_bce, pos_weights, soft_dice
 from fedlabels.metrics import dice_per_case, multiclass_metrics, multilabel_metrics
 
 
@@ -43,12 +43,12 @@ def test_pos_weight():
     assert partial_bce(logits, target, pos_weight=w).item() == pytest.approx(expected, rel=1e-6)
 
 
-def test_soft_dice_loss():
+def test_soft_dice():
     logits = torch.tensor([[[[10.0, -10.0], [-10.0, -10.0]]]])  # prob ~ [1,0,0,0]
     target = torch.tensor([[[[1.0, 1.0], [0.0, 0.0]]]])
-    assert soft_dice_loss(logits, target).item() == pytest.approx(1 - 2 * 1 / 3, abs=1e-3)
+    assert soft_dice(logits, target).item() == pytest.approx(1 - 2 * 1 / 3, abs=1e-3)
     empty = torch.full((1, 1, 2, 2), -30.0)
-    assert soft_dice_loss(empty, torch.zeros(1, 1, 2, 2)).item() == pytest.approx(0.0, abs=1e-4)
+    assert soft_dice(empty, torch.zeros(1, 1, 2, 2)).item() == pytest.approx(0.0, abs=1e-4)
 
 
 def test_multilabel_metrics_hand_values_and_undefined():

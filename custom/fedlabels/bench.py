@@ -404,9 +404,10 @@ class Scorer:
     def __call__(self, weights) -> list:
         """[(group, class, metric, value)]; value None where the metric is undefined."""
         from .methods.base import load_weights
+        from .nets import first_of_twin
         from .site import evaluate
 
-        load_weights(self.net, weights)
+        load_weights(self.net, first_of_twin(weights))  # FedMix's two UNets: F1 is scored, as it ships
         out = []
         for group, loader in self.groups.items():
             result = evaluate(self.net, loader, self.task, self.classes)

@@ -87,7 +87,8 @@ def cmd_export(args):
     # default: the run's best model; with --site-state the last one, whose round the state file's batch norm is from
     ckpt = args.ckpt or os.path.join(args.run, "app_server",
                                      "FL_global_model.pt" if args.site_state else "best_FL_global_model.pt")
-    out = export_bundle(args.bundle, ckpt, args.out, data=args.data, run=args.run, site_state=args.site_state)
+    out = export_bundle(args.bundle, ckpt, args.out, data=args.data, run=args.run, site_state=args.site_state,
+                        twin=args.twin)
     _say(f"exported bundle: {out}")
     if args.data:
         meta = json.loads(open(os.path.join(out, "configs", "metadata.json")).read())
@@ -180,6 +181,8 @@ def build_parser(flare: bool = True) -> argparse.ArgumentParser:
                                    "confidence intervals, the sites' label table and the model card")
     s.add_argument("--site-state", help="a FedBN site's fedlabels_state/<site>.pt: export the global model with that "
                                          "site's own batch norm (the global model's was never trained)")
+    s.add_argument("--twin", choices=["first", "mean"], default="first",
+                   help="a FedMix model (two UNets): ship F1 (default) or both, predicting their mean probability")
     s.set_defaults(fn=cmd_export)
 
     s = sub.add_parser("baseline", help="non-federated references: local learning, centralized, oracle")

@@ -94,17 +94,22 @@ def information_maximization(logits: torch.Tensor) -> torch.Tensor:
     return mean_entropy - entropy_of_mean
 
 
-def soft_dice_loss(logits: torch.Tensor, target: torch.Tensor, smooth: float = 1e-5) -> torch.Tensor:
-    """1 - soft Dice of sigmoid(logits) against a {0,1} target, per case then averaged.
+def soft_dice(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None,
+              smooth: float = 1e-5) -> torch.Tensor:
+    """Per case: 1 - soft Dice of sigmoid(logits) against a {0,1} target, averaged over the channels.
 
-    Case reduction over all non-batch dims; ``smooth`` makes two empty masks score 1.
+    The formula of MONAI's ``DiceLoss(sigmoid=True)`` (what the lesion bundle
+    trains with), so ``soft_dice(x, y).mean()`` is that loss; ``smooth`` makes
+    two empty masks score 1. ``mask`` (same shape, {0,1}) keeps only its
+    pixels in every sum (FedST's confident pixels). Returns shape (batch,).
     """
     prob = torch.sigmoid(logits)
-    dims = tuple(range(1, prob.ndim))
+    if mask is not None:
+        prob, target = prob * mask, target * mask
+    dims = tuple(range(2, prob.ndim))
     inter = (prob * target).sum(dims)
     denom = prob.sum(dims) + target.sum(dims)
-    dice = (2 * inter + smooth) / (denom + smooth)
-    return (1 - dice).mean()
+    return (1 - (2 * inter + smooth) / (denom + smooth)).mean(1)
 
 
 class PartialBCELoss(torch.nn.Module):

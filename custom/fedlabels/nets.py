@@ -136,6 +136,51 @@ class GroupNormUNet(BasicUNet):
         _load_init(self, init_ckpt)
 
 
+class TwinUNet(nn.Module):
+    """Two ``GroupNormUNet`` s, ``f1`` and ``f2``, federated as one network (FedMix's F1, F2).
+
+    Each is initialised by its own draw, so the two start different; one state
+    dict (``f1.*``, ``f2.*``) carries both through aggregation and checkpoints.
+    ``forward`` gives F1's logits (``output="first"``, what a FedMix model ships
+    by default) or the logit of the two networks' mean probability
+    (``output="mean"``).
+    """
+
+    OUTPUTS = ("first", "mean")
+
+    def __init__(self, spatial_dims: int = 2, in_channels: int = 3, out_channels: int = 1,
+                 features: tuple = (16, 16, 32, 64, 128, 16), num_groups: int = 8, init_ckpt: str | None = None,
+                 output: str = "first"):
+        super().__init__()
+        if output not in self.OUTPUTS:
+            raise ValueError(f"TwinUNet output must be one of {self.OUTPUTS}, not {output!r}")
+        self.spatial_dims, self.in_channels, self.out_channels = spatial_dims, in_channels, out_channels
+        self.features, self.num_groups, self.init_ckpt, self.output = tuple(features), num_groups, init_ckpt, output
+        self.f1 = GroupNormUNet(spatial_dims, in_channels, out_channels, features, num_groups, init_ckpt)
+        self.f2 = GroupNormUNet(spatial_dims, in_channels, out_channels, features, num_groups, init_ckpt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.f1(x)
+        if self.output == "mean":
+            return torch.logit((torch.sigmoid(a) + torch.sigmoid(self.f2(x))) / 2, eps=1e-6)
+        return a
+
+
+TWIN_PREFIXES = ("f1.", "f2.")
+
+
+def is_twin(state: dict) -> bool:
+    """True for a ``TwinUNet`` state dict (every key under ``f1.`` or ``f2.``)."""
+    return bool(state) and all(k.startswith(TWIN_PREFIXES) for k in state)
+
+
+def first_of_twin(state: dict) -> dict:
+    """F1's weights of a ``TwinUNet`` state dict, keyed as a plain UNet's; any other state dict as it is."""
+    if not is_twin(state):
+        return state
+    return {k[len("f1."):]: v for k, v in state.items() if k.startswith("f1.")}
+
+
 # ------------------------------------------------------------ state helpers
 
 NORM_TYPES = (nn.modules.batchnorm._BatchNorm,)

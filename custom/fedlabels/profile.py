@@ -254,7 +254,13 @@ def _check_seg_item(item, i, file, base, classes, profile, oracle, check_files):
     if profile is not None and profile.supervision not in ("mixed", level) and not oracle:
         raise ScenarioError(file, f"case says {level!r} but the site profile says {profile.supervision!r}", i, "supervision")
     if level == "pixel":
-        item["seg"] = _check_file(base, _require_item(item, "seg", file, i), file, i, "seg") if check_files else str(base / item["seg"])
+        if not check_files:
+            item["seg"] = str(base / _require_item(item, "seg", file, i))
+        else:
+            item["seg"] = _check_file(base, _require_item(item, "seg", file, i), file, i, "seg")
+            if image_size(Path(item["seg"])) != image_size(Path(item["image"])):
+                raise ScenarioError(file, f"the mask is {image_size(Path(item['seg']))} pixels (width, height), its "
+                                    f"image {image_size(Path(item['image']))}", i, "seg")
     elif level == "bbox":
         boxes = _require_item(item, "boxes", file, i)
         if not isinstance(boxes, list):

@@ -31,7 +31,8 @@ def setups(bundle, data, sites=None, batch_size=None, seed=0, oracle=False, netw
     names = sites or list(load_scenario(data, check_files=False, with_test=False).sites)
     m = methods.get(method) if method else None
     return {s: setup_site(bundle, data, s, batch_size=batch_size, seed=seed, oracle=oracle,
-                          network_overrides=network_overrides, unlabeled=bool(m and m.uses_unlabeled),
+                          network_overrides=m.network_options(network_overrides) if m else network_overrides,
+                          unlabeled=bool(m and m.uses_unlabeled),
                           strong_view=bool(m and m.strong_view), config=config) for s in names}
 
 

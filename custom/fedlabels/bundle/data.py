@@ -10,6 +10,8 @@ The bundle configs call these functions, so a bundle trained with
 * ``image_files(path)`` -- the inputs of ``inference.json``.
 * ``ReadableImages`` -- the inference dataset: an input that cannot be read
   or converted is named in one log line and left out; the rest go on.
+* ``MaskLabeld`` -- a segmentation label (mask file, box, image-level tag or none)
+  as one binary channel per class;
 * ``SaveMaskd`` -- writes a predicted mask next to its kind of input: PNG for
   PNG/JPEG, NIfTI with the source geometry for NIfTI and DICOM.
 * ``DicomPhotometricd`` -- a grey DICOM stored MONOCHROME1 (0 = white) is
@@ -35,6 +37,8 @@ from monai.transforms import MapTransform, RandomizableTransform, SaveImage
 from ..profile import IMAGE_SUFFIXES, ScenarioError, load_scenario
 
 TEST_SPLITS = ("test", "testing")
+# A segmentation case's supervision, as the integer ``level`` its training item carries (profile.SUPERVISION).
+SEG_LEVELS = ("pixel", "bbox", "image", "none")
 INFERENCE_SUFFIXES = (".png", ".jpg", ".jpeg", ".nii", ".nii.gz", ".dcm")
 
 logger = logging.getLogger("fedlabels.bundle")
@@ -59,10 +63,16 @@ def bundle_item(item: dict, task: str, labeled_only: bool) -> dict | None:
         if labeled_only and item["label"] < 0:
             return None
         return {"image": item["image"], "label": int(item["label"])}
-    # segmentation: only pixel-level cases carry a mask the bundle can learn from
-    if "seg" not in item:
-        return None if labeled_only else {"image": item["image"]}
-    return {"image": item["image"], "label": item["seg"]}
+    # segmentation: only pixel-level cases carry a mask the bundle can learn from; with every case
+    # (a mixed-supervision method), the others carry their weak label, which ``MaskLabeld`` renders
+    if labeled_only:
+        return {"image": item["image"], "label": item["seg"]} if "seg" in item else None
+    level = item.get("supervision", "pixel" if "seg" in item else "none")
+    if "seg" in item:
+        label = item["seg"]
+    else:
+        label = {"level": level, **{k: item[k] for k in ("boxes", "classes") if k in item}}
+    return {"image": item["image"], "label": label, "level": SEG_LEVELS.index(level)}
 
 
 def datalist(dataset_dir, site=None, split: str = "training", oracle: bool = False, classes=None, task=None,
@@ -216,6 +226,61 @@ class DicomPhotometricd(MapTransform):
         return d
 
 
+class MaskLabeld(MapTransform):
+    """A segmentation label as ``num_classes`` binary channels on the image's grid (x, y as MONAI reads images).
+
+    The label is a mask file (binary: any value > 0 is the class; several
+    classes: value c + 1 is class c) or a weak label, which becomes its prior
+    mask: ``{"level": "bbox", "boxes": [[x0, y0, x1, y1, class], ...]}`` -> 1
+    inside the class's boxes (exclusive x1, y1, in pixels of the image file);
+    ``{"level": "image", "classes": [...]}`` -> the whole image for each class
+    present, nothing for the others; ``{"level": "none"}`` -> the whole image.
+    Runs after the image is channel-first (``image_key``), whose grid a mask
+    file must match.
+    """
+
+    def __init__(self, keys: KeysCollection, num_classes: int, image_key: str = "image",
+                 allow_missing_keys: bool = False):
+        super().__init__(keys, allow_missing_keys)
+        self.num_classes, self.image_key = int(num_classes), image_key
+        self.reader = None
+
+    def __call__(self, data):
+        d = dict(data)
+        size = tuple(d[self.image_key].shape[1:])
+        for key in self.key_iterator(d):
+            d[key] = self.render(d[key], size) if isinstance(d[key], dict) else self.load(d[key], size)
+        return d
+
+    def load(self, path, size) -> torch.Tensor:
+        from monai.transforms import LoadImage
+
+        self.reader = self.reader or LoadImage(image_only=True)
+        m = torch.as_tensor(np.asarray(self.reader(path)))
+        while m.ndim > 2 and m.shape[-1] in (1, 3, 4):  # a 2D mask stored with trailing channels
+            m = m[..., 0]
+        if tuple(m.shape) != size:
+            raise ValueError(f"{path}: mask of {tuple(m.shape)} pixels, its image {size} (x, y)")
+        if self.num_classes == 1:
+            return (m > 0).float()[None]
+        return torch.stack([m == c + 1 for c in range(self.num_classes)]).float()
+
+    def render(self, weak: dict, size) -> torch.Tensor:
+        level = weak.get("level")
+        out = torch.zeros((self.num_classes, *size))
+        if level == "bbox":
+            for x0, y0, x1, y1, k in weak.get("boxes", []):
+                out[k, x0:x1, y0:y1] = 1
+        elif level == "image":
+            for k in weak.get("classes", []):
+                out[k] = 1
+        elif level == "none":
+            out[:] = 1
+        else:
+            raise ValueError(f"weak label of unknown level {level!r}: {weak}")
+        return out
+
+
 class SaveMaskd(MapTransform):
     """Save a mask (channel-first, already inverted to the input's grid) as ``<stem>_<postfix><ext>``.
 
@@ -329,5 +394,5 @@ class RandDihedrald(RandomizableTransform, MapTransform):
         return d
 
 
-__all__ = ["datalist", "scenario_info", "default_dataset", "image_files", "Ensure2DChannelsd", "RandDihedrald",
+__all__ = ["datalist", "scenario_info", "default_dataset", "image_files", "Ensure2DChannelsd", "RandDihedrald", "MaskLabeld",
            "IMAGE_SUFFIXES"]

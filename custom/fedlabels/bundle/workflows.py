@@ -298,7 +298,7 @@ def _inference_parser(bundle: Path, **overrides):
 
 def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = None, metrics: dict | None = None,
                   provenance: dict | None = None, check: bool = True, data=None, run=None, site_state=None,
-                  network: dict | None = None) -> Path:
+                  network: dict | None = None, twin: str = "first") -> Path:
     """Write a deployable copy of ``bundle`` at ``out`` with the weights of ``ckpt``.
 
     * ``models/model.pt`` -- the plain state dict (MONAI bundle spec);
@@ -314,7 +314,10 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
       completed and which model (best or last) in the provenance;
     * with ``site_state`` (a FedBN site's ``fedlabels_state/<site>.pt``): the
       site's own batch norm replaces the global model's, which no site trained
-      (``methods.base.personal_model``).
+      (``methods.base.personal_model``);
+    * a FedMix model (``nets.TwinUNet``: F1 and F2 in one state dict) ships F1 as the bundle's
+      plain UNet (``twin="first"``), or both with their mean probability (``twin="mean"``; the
+      inference network is then ``fedlabels.nets.TwinUNet``, twice the compute).
 
     ``class_names`` / ``image_size`` / ``network`` (network options, e.g.
     ``widen_factor``) override the bundle's defaults (a scenario with other
@@ -361,8 +364,9 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
             infer["class_names"] = [str(c) for c in class_names]
         if image_size is not None:
             infer["image_size"] = int(image_size)
+        state = _twin_network(state, infer, twin, ckpt)
         for key, value in {**(trained.network if trained else {}), **(network or {})}.items():
-            if key == "init_ckpt":  # where training started from; the exported weights replace it
+            if key in ("init_ckpt", "_target_", "output"):  # where training started; the network class (above)
                 continue
             if key not in infer["network_def"]:
                 raise ValueError(f"{bundle}/configs/inference.json: network_def has no {key!r} to carry the network "
@@ -420,6 +424,26 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
             shutil.rmtree(staging, ignore_errors=True)
     logger.info(f"exported {bundle.name} -> {out} (models/model.pt, models/model.ts; classes {names})")
     return out
+
+
+def _twin_network(state: dict, infer: dict, twin: str, ckpt) -> dict:
+    """The weights (and, for ``twin="mean"``, the inference network) a FedMix model ships with."""
+    from ..nets import TwinUNet, first_of_twin, is_twin
+
+    if twin not in TwinUNet.OUTPUTS:
+        raise ValueError(f"twin must be one of {TwinUNet.OUTPUTS}, not {twin!r}")
+    if not is_twin(state):
+        if twin != "first":
+            raise ValueError(f"{ckpt}: twin={twin!r} needs a FedMix model (two UNets f1, f2); this one has one network")
+        return state
+    if twin == "first":
+        return first_of_twin(state)
+    net = infer["network_def"]
+    norm = net.get("norm")
+    groups = norm[1].get("num_groups", 8) if isinstance(norm, list) and len(norm) == 2 and isinstance(norm[1], dict) else 8
+    infer["network_def"] = {"_target_": "fedlabels.nets.TwinUNet", "output": "mean", "num_groups": groups,
+                            **{k: net[k] for k in ("spatial_dims", "in_channels", "out_channels", "features") if k in net}}
+    return state
 
 
 def _update_metadata(meta, names, image_size, in_channels, metrics, provenance, bundle, ckpt) -> None:

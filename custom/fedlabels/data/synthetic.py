@@ -17,7 +17,9 @@ Three families, each written as a scenario folder (profile.py):
 * ``lesion`` -- 2D lesion segmentation (some images lesion-free), per-site
   supervision pixel | bbox | image | none (repeated in that order for more than
   4 sites), boxes from masks plus a random
-  1-10 px margin.
+  1-10 px margin; ``lesion_classes=2`` is a two-class flavour (pigmented and
+  vascular lesions, each present or not) whose image-level tags carry class
+  presence, as RETOUCH's do.
 
 ``default_scenario(family)`` generates into a cache folder on first use (under
 a file lock, so simultaneous simulator clients generate it once).
@@ -60,6 +62,10 @@ CXR_ANNOTATED_FRACTION = [
 
 MEDMNIST_CLASSES = ["disc", "ring", "square", "cross", "pair", "bar", "triangle", "ellipse"]
 LESION_CLASSES = ["lesion"]
+# The multi-class flavour (``lesion_classes=2``): a brown pigmented and a red vascular lesion, each
+# present or not in an image on its own, so an image-level tag says which classes are present.
+LESION_CLASSES_2 = ["pigmented", "vascular"]
+VASCULAR_COLOUR = (0.70, 0.18, 0.22)
 
 
 def _grid(size):
@@ -196,24 +202,39 @@ def medmnist_image(rng, label, size, shift):
 # --------------------------------------------------------------- lesion
 
 
-def lesion_image(rng, size, shift, lesion: bool):
-    """Skin-like RGB image and its lesion mask (all zeros when lesion-free)."""
+def _blob(rng, size, x, y, img, colour, scale=1.0):
+    """One irregular lesion painted on ``img``; returns the image and the lesion's mask."""
+    field = np.zeros((size, size), np.float32)
+    cy, cx = rng.uniform(-0.35, 0.35, 2)
+    for _ in range(rng.integers(2, 5)):
+        by, bx = cy + rng.normal(0, 0.12 * scale), cx + rng.normal(0, 0.12 * scale)
+        sig = rng.uniform(0.12, 0.25) * scale
+        field += np.exp(-((x - bx) ** 2 + (y - by) ** 2) / (2 * sig**2))
+    field += 0.15 * _smooth_noise(rng, size, 8)
+    mask = field > 0.6
+    col = np.array(colour) + rng.normal(0, 0.04, 3)
+    inner = np.clip((field - 0.6) * 2, 0, 1)[..., None]
+    img = np.where(mask[..., None], col * (1 - 0.4 * inner) + 0.04 * _smooth_noise(rng, size, 12)[..., None], img)
+    return img, mask
+
+
+def lesion_image(rng, size, shift, lesion: bool, vascular: bool | None = None):
+    """Skin-like RGB image and its lesion mask (all zeros when lesion-free).
+
+    With ``vascular`` (the two-class flavour) the mask is a label map: 1 where the
+    pigmented lesion (present when ``lesion``) is, 2 where a smaller red vascular
+    one (present when ``vascular``) is painted over it."""
     y, x = _grid(size)
     skin = np.array([0.86, 0.66, 0.56]) + rng.normal(0, 0.03, 3)
     img = np.broadcast_to(skin, (size, size, 3)).copy() + 0.05 * _smooth_noise(rng, size, 6)[..., None]
     mask = np.zeros((size, size), bool)
     if lesion:
-        field = np.zeros((size, size), np.float32)
-        cy, cx = rng.uniform(-0.35, 0.35, 2)
-        for _ in range(rng.integers(2, 5)):
-            by, bx = cy + rng.normal(0, 0.12), cx + rng.normal(0, 0.12)
-            sig = rng.uniform(0.12, 0.25)
-            field += np.exp(-((x - bx) ** 2 + (y - by) ** 2) / (2 * sig**2))
-        field += 0.15 * _smooth_noise(rng, size, 8)
-        mask = field > 0.6
-        lesion_col = np.array([0.42, 0.25, 0.18]) + rng.normal(0, 0.04, 3)
-        inner = np.clip((field - 0.6) * 2, 0, 1)[..., None]
-        img = np.where(mask[..., None], lesion_col * (1 - 0.4 * inner) + 0.04 * _smooth_noise(rng, size, 12)[..., None], img)
+        img, mask = _blob(rng, size, x, y, img, (0.42, 0.25, 0.18))
+    if vascular is not None:
+        mask = mask.astype(np.uint8)
+        if vascular:
+            img, second = _blob(rng, size, x, y, img, VASCULAR_COLOUR, scale=0.6)
+            mask[second] = 2
     # Hairs and small dark specks as distractors.
     for _ in range(rng.integers(0, 3)):
         ang, off = rng.uniform(0, np.pi), rng.uniform(-0.8, 0.8)
@@ -250,12 +271,14 @@ def _split(items, val_fraction, rng):
 
 def generate(family: str, out, seed: int = 0, size: int | None = None, cases: int | None = None,
              test_cases: int | None = None, sites: int = 4, gamma: float = 0.8, labeled=None, supervision=None,
-             val_fraction: float = 0.15, progress=None) -> Path:
+             val_fraction: float = 0.15, progress=None, lesion_classes: int = 1) -> Path:
     """Write one synthetic scenario folder atomically; returns its path.
 
     ``cases`` is per site (lesion), the size of a reference site (cxr: site k
     holds ``round(CXR_SITE_SCALE[k] * cases)``, see ``cxr_site_cases``) or in
-    total (medmnist).
+    total (medmnist). ``lesion_classes=2``: the lesion family's two-class flavour
+    (``LESION_CLASSES_2``; masks hold class index + 1, boxes and image-level tags
+    are per class).
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown synthetic family {family!r}; choose one of {FAMILIES}")
@@ -328,24 +351,35 @@ def generate(family: str, out, seed: int = 0, size: int | None = None, cases: in
                 test.append({"image": f"images/{i:05d}.png", "label": c, "group": f"site-{i % sites + 1}"})
         else:
             size, cases, test_cases = size or 64, cases or 120, test_cases or 120
-            task, classes = "segmentation", LESION_CLASSES
+            if lesion_classes not in (1, 2):
+                raise ValueError(f"lesion_classes must be 1 or 2, not {lesion_classes}")
+            task, classes = "segmentation", LESION_CLASSES if lesion_classes == 1 else LESION_CLASSES_2
+
+            def draw(shift):
+                if lesion_classes == 1:
+                    img, mask = lesion_image(rng, size, shift, lesion=rng.random() > 0.2)
+                    return img, mask, mask.astype(np.uint8) * 255, [0] if mask.any() else []
+                img, labels = lesion_image(rng, size, shift, lesion=rng.random() > 0.4, vascular=rng.random() > 0.5)
+                return img, labels, labels, [c for c in range(2) if (labels == c + 1).any()]
+
             levels = list(supervision or [["pixel", "bbox", "image", "none"][k % 4] for k in range(sites)])
             if len(levels) != sites:
                 raise ValueError(f"supervision lists {len(levels)} levels for {sites} sites")
             for k, name in enumerate(names):
                 items, oracle = [], []
                 for i in range(cases):
-                    img, mask = lesion_image(rng, size, shifts[k], lesion=rng.random() > 0.2)
+                    img, mask, stored, present = draw(shifts[k])
                     rel, seg = f"images/{i:05d}.png", f"masks/{i:05d}.png"
                     _save_png(_mk(tmp / name / "images") / f"{i:05d}.png", img)
-                    _save_png(_mk(tmp / name / "masks") / f"{i:05d}.png", mask.astype(np.uint8) * 255)
+                    _save_png(_mk(tmp / name / "masks") / f"{i:05d}.png", stored)
                     item = {"image": rel, "supervision": levels[k]}
                     if levels[k] == "pixel":
                         item["seg"] = seg
                     elif levels[k] == "bbox":
-                        item["boxes"] = [box_from_mask(mask, rng)] if mask.any() else []
+                        item["boxes"] = [box_from_mask(mask == c + 1 if lesion_classes > 1 else mask, rng, c)
+                                         for c in present]
                     elif levels[k] == "image":
-                        item["classes"] = [0] if mask.any() else []
+                        item["classes"] = present
                     items.append(item)
                     oracle.append({"image": rel, "seg": seg})
                 train, val = _split(items, val_fraction, rng)
@@ -354,9 +388,9 @@ def generate(family: str, out, seed: int = 0, size: int | None = None, cases: in
                 say(f"{name}: {cases} images ({levels[k]})")
             test = []
             for i in range(test_cases):
-                img, mask = lesion_image(rng, size, shifts[i % sites], lesion=rng.random() > 0.2)
+                img, _, stored, _ = draw(shifts[i % sites])
                 _save_png(_mk(tmp / "test" / "images") / f"{i:05d}.png", img)
-                _save_png(_mk(tmp / "test" / "masks") / f"{i:05d}.png", mask.astype(np.uint8) * 255)
+                _save_png(_mk(tmp / "test" / "masks") / f"{i:05d}.png", stored)
                 test.append({"image": f"images/{i:05d}.png", "seg": f"masks/{i:05d}.png", "group": f"site-{i % sites + 1}"})
         write_json_atomic(tmp / "test" / "datalist.json", {"testing": test})
         write_yaml(tmp / "scenario.yaml", {

@@ -43,6 +43,7 @@ class Method:
     server_presets: dict = field(default_factory=dict)
     uses_unlabeled: bool = False  # semi-supervised: sites also train on their unlabeled cases
     strong_view: bool = False  # training batches also carry ``image_strong`` (bundle: train#strong_preprocessing)
+    network: dict = field(default_factory=dict)  # network_def options the method needs (FedMix: a TwinUNet)
     doc: str = ""
 
     def client_option_names(self) -> set:
@@ -62,6 +63,10 @@ class Method:
 
     def server_options(self, **options) -> dict:
         return self._check("server", options, self.server_option_names(), self.server_presets)
+
+    def network_options(self, overrides: dict | None = None) -> dict:
+        """The bundle's network_def overrides this method trains with: its own, then the run's."""
+        return {**self.network, **(overrides or {})}
 
     def make_client(self, net, ctx: SiteContext, **options) -> ClientRule:
         return self.client(net, ctx, **self.client_options(**options))
