@@ -393,7 +393,7 @@ class Scorer:
                            **(config or {}))
         self.n = len(sc.test)
         self.groups = {POOLED: self.loader}
-        names = [i.get("group") for i in sc.test]
+        names = [i.get("group", i.get("site")) for i in sc.test]  # prepared scenarios name a test item's site
         if any(g is not None for g in names):
             names = ["(no group)" if n is None else str(n) for n in names]
             for g in sorted(set(names)):

@@ -39,7 +39,7 @@ from .partition import FEDPSL_CLASSES_6, FEDPSL_SITE_CLASSES_6
 
 FAMILIES = ("cxr", "medmnist", "lesion")
 # Part of the cache key: bump when what a seed produces changes (images, labels, site sizes).
-GENERATOR_VERSION = "v4"
+GENERATOR_VERSION = "v5"
 
 # FedPSL Table I: the six findings and which of them each of the four sites annotates.
 CXR_CLASSES, CXR_SITE_CLASSES = FEDPSL_CLASSES_6, FEDPSL_SITE_CLASSES_6
@@ -283,6 +283,9 @@ def generate(family: str, out, seed: int = 0, size: int | None = None, cases: in
     if family not in FAMILIES:
         raise ValueError(f"unknown synthetic family {family!r}; choose one of {FAMILIES}")
     rng = np.random.default_rng(seed)
+    # Box margins draw from their own stream: the images and masks of a seed are the same whatever
+    # each site's supervision, so two supervision settings differ in the labels only.
+    box_rng = np.random.default_rng([seed, 1])
     say = progress or (lambda msg: None)
     names = [f"site-{i + 1}" for i in range(sites)]
     shifts = [_shift(rng) for _ in names]
@@ -376,7 +379,7 @@ def generate(family: str, out, seed: int = 0, size: int | None = None, cases: in
                     if levels[k] == "pixel":
                         item["seg"] = seg
                     elif levels[k] == "bbox":
-                        item["boxes"] = [box_from_mask(mask == c + 1 if lesion_classes > 1 else mask, rng, c)
+                        item["boxes"] = [box_from_mask(mask == c + 1 if lesion_classes > 1 else mask, box_rng, c)
                                          for c in present]
                     elif levels[k] == "image":
                         item["classes"] = present

@@ -1,0 +1,207 @@
+"""FedMix's Tables III-V shape (breast tumour, three clients) on the embedded lesion scenario and on PH2.
+
+    python benchmarks/fedmix_tables.py --dataset lesion --out benchmarks/results/fedmix
+    python benchmarks/fedmix_tables.py --dataset ph2 --src ../shared/data/ph2 --out benchmarks/results/fedmix
+    python benchmarks/fedmix_tables.py --out benchmarks/results/fedmix --table-only
+
+Protocol: three sites C1, C2, C3; C3 holds pixel masks, C1 and C2 what the setting says
+(U nothing, I image-level tags, B boxes from the masks with a random 1-10 px margin per side).
+Settings [U,U,L], [I,U,L], [B,U,L], [B,B,L], [I,B,L]; within a dataset and seed every setting
+has the same images and split (only the labels differ). Data:
+
+* ``lesion``: the embedded lesion scenario, 3 sites x 80 cases at 32 px, 120 test cases split
+  over the sites (each site's test cases carry its acquisition shift); each seed generates its own;
+* ``ph2``: PH2 (200 dermoscopy images), ``fedmix`` protocol, 3 random patient-level shares,
+  each site's own test fold, 32 px; each seed redraws the shares.
+
+Every row: the lesion bundle's UNet (GroupNorm; FedMix two of them), Adam lr 1e-3, weight decay
+1e-4, batch 16, 100 rounds of one local epoch, soft Dice loss; lam = 10, beta = 3 (skin), epsilon
+0.9. Rows on [U,U,L]: LL (C3 alone, the floor), FedAvg over C3 (the pixel site), FedAvg and
+FedAdaptAgg with every site's masks (oracle, the upper bound), FedST (25 pixel-only warm-up
+rounds, then confident pixels >= 0.9) and FedMix; FedMix again in each other setting, and Table V's
+ablations on [U,U,L]: lam = 0 (no adaptive aggregation) and epsilon = 0 (no selection).
+
+Metric: Dice on each site's own test cases and their mean (the paper's Avg.), the last model at
+round 100 and the best on the sites' validation Dice; mean ± sd over 3 seeds. TABLE.md also
+shows the mean at rounds 25 and 50 and FedMix's kept fraction per site.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+ROUNDS = 100
+COMMON = ["--bundle", "lesion_unet", "--rounds", str(ROUNDS), "--eval-rounds", "25,50,100", "--local-epochs", "1",
+          "--batch-size", "16", "--image-size", "32", "--opt", "all:weight_decay=0.0001",
+          "--opt", "fedmix:beta=3", "--opt", "fedadaptagg:beta=3", "--opt", "fedst:warmup_rounds=25"]
+LEVEL = {"U": "none", "I": "image", "B": "bbox", "L": "pixel"}
+# run -> (setting C1 C2 C3, rows, extra bench options)
+RUNS = {
+    "main": ("UUL", ["fedavg", "oracle:fedavg", "oracle:fedadaptagg", "fedst", "fedmix"], []),
+    "fedmix_IUL": ("IUL", ["fedmix"], []),
+    "fedmix_BUL": ("BUL", ["fedmix"], []),
+    "fedmix_BBL": ("BBL", ["fedmix"], []),
+    "fedmix_IBL": ("IBL", ["fedmix"], []),
+    "fedmix_lam0": ("UUL", ["fedmix"], ["--opt", "fedmix:lam=0"]),
+    "fedmix_eps0": ("UUL", ["fedmix"], ["--opt", "fedmix:epsilon=0"]),
+}
+SITES = ("site-1", "site-2", "site-3")
+# FedMix Tables III and V (breast tumour, [C1, C2, C3], Avg. DC %).
+PAPER = {("main", "local:site-3"): 78.3, ("main", "fedst"): 78.5, ("main", "fedmix"): 80.6,
+         ("main", "oracle:fedavg"): 84.7, ("main", "oracle:fedadaptagg"): 85.1,
+         ("fedmix_IUL", "fedmix"): 81.1, ("fedmix_BUL", "fedmix"): 81.9, ("fedmix_IBL", "fedmix"): 82.3,
+         ("fedmix_BBL", "fedmix"): 83.2, ("fedmix_lam0", "fedmix"): 61.6, ("fedmix_eps0", "fedmix"): 78.6}
+LABELS = {"local:site-3": "LL (C3 alone)", "fedavg": "FedAvg, C3's masks only", "oracle:fedavg": "FedAvg, full masks",
+          "oracle:fedadaptagg": "FedAdaptAgg, full masks", "fedst": "FedST", "fedmix": "FedMix"}
+
+
+def fedlabels() -> str:
+    return str(Path(sys.executable).with_name("fedlabels"))
+
+
+def data_args(args, setting: str, seed: int) -> list:
+    levels = json.dumps([LEVEL[c] for c in setting])
+    if args.dataset == "lesion":
+        return ["--data", "embedded:lesion", "--synth", "sites=3", "--synth", "size=32", "--synth", "cases=80",
+                "--synth", "test_cases=120", "--synth", f"supervision={levels}"]
+    target = args.out / "ph2" / "data" / f"ph2-{setting}-s{seed}"
+    if not (target / "scenario.yaml").is_file():
+        subprocess.run([fedlabels(), "prepare", "ph2", "--src", str(args.src), "--protocol", "fedmix", "--sites", "3",
+                        "--supervision", ",".join(setting), "--size", "32", "--seed", str(seed), "--out", str(target),
+                        "--quiet"], check=True)
+    return ["--data", str(args.out / "ph2" / "data" / f"ph2-{setting}-s{{seed}}")]
+
+
+def run_dir(out: Path, dataset: str, name: str) -> Path:
+    return out / dataset / "runs" / name
+
+
+def bench(args, name: str, seed: int) -> int:
+    setting, methods, extra = RUNS[name]
+    cmd = [fedlabels(), "bench", *data_args(args, setting, seed), "--methods", ",".join(methods),
+           "--seeds", str(seed), *COMMON, *extra, "--out", str(run_dir(args.out, args.dataset, name))]
+    log = args.out / args.dataset / "logs" / f"{name}-seed{seed}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    t0 = time.time()
+    print(f"[fedmix] {args.dataset} {name} seed {seed}: {' '.join(cmd)}", flush=True)
+    with open(log, "a") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+    print(f"[fedmix] {args.dataset} {name} seed {seed}: exit {rc} after {time.time() - t0:.0f}s (log {log})", flush=True)
+    return rc
+
+
+# ---------------------------------------------------------------- table
+
+
+def read_cells(out: Path, dataset: str) -> dict:
+    cells = {}
+    for name in RUNS:
+        for path in sorted((run_dir(out, dataset, name) / "cells").glob("*.json")):
+            cell = json.loads(path.read_text())
+            cells[(name, cell["config"]["method"], int(cell["config"]["seed"]))] = cell
+    return cells
+
+
+def dice(cell, group, model="last", rnd=ROUNDS):
+    hits = [r["value"] for r in cell["rows"] if r["round"] == rnd and r["model"] == model and r["group"] == group
+            and r["class"] == "mean" and r["metric"] == "dice"]
+    return hits[0] if hits else None
+
+
+def site_mean(cell, model="last", rnd=ROUNDS):
+    vals = [dice(cell, s, model, rnd) for s in SITES]
+    return None if any(v is None for v in vals) else float(np.mean(vals))
+
+
+def fmt(vals):
+    vals = [100 * v for v in vals if v is not None]
+    if not vals:
+        return "not run"
+    return f"{np.mean(vals):.1f}" + (f" ± {np.std(vals, ddof=1):.1f}" if len(vals) > 1 else "")
+
+
+def kept(cell):
+    """FedMix: per site, the fraction of its training cases kept, averaged over the last 10 rounds."""
+    recs = cell.get("records", [])[-10:]
+    out = []
+    for s in SITES:
+        vals = [r["sites"][s].get("kept_fraction") for r in recs if s in r.get("sites", {})]
+        vals = [v for v in vals if v is not None]
+        out.append(f"{np.mean(vals):.2f}" if vals else "-")
+    return " / ".join(out)
+
+
+def section(out: Path, dataset: str, seeds) -> list:
+    cells = read_cells(out, dataset)
+    rows = [("main", "local:site-3")] + [("main", m) for m in RUNS["main"][1]] + \
+        [(name, "fedmix") for name in RUNS if name.startswith("fedmix_")]
+    title = {"lesion": "Embedded lesion scenario (3 sites x 80 cases, 32 px)",
+             "ph2": "PH2 (3 random shares of 200 images, each site's own test fold, 32 px)"}[dataset]
+    lines = ["", f"## {title}", "",
+             "| setting [C1, C2, C3] | row | C1 | C2 | C3 | mean (Avg.) | best-on-val mean | mean at 25 / 50 | "
+             "FedMix kept fraction C1 / C2 / C3 (last 10 rounds) | paper Avg. (breast) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, row in rows:
+        got = [cells[(name, row, s)] for s in seeds if (name, row, s) in cells]
+        setting = "[" + ", ".join(RUNS[name][0]) + "]"
+        label = LABELS.get(row, row)
+        if name == "fedmix_lam0":
+            label = "FedMix, lam = 0 (no adaptive aggregation)"
+        if name == "fedmix_eps0":
+            label = "FedMix, epsilon = 0 (no selection)"
+        if row.startswith("oracle:"):
+            setting = "[L, L, L]"
+        per_site = [fmt([dice(c, s) for c in got]) for s in SITES]
+        trend = f"{fmt([site_mean(c, rnd=25) for c in got])} / {fmt([site_mean(c, rnd=50) for c in got])}"
+        k = " ; ".join(kept(c) for c in got) if row == "fedmix" else ""
+        paper = PAPER.get((name, row))
+        lines.append(f"| {setting} | {label} ({len(got)}) | " + " | ".join(per_site)
+                     + f" | {fmt([site_mean(c) for c in got])} | {fmt([site_mean(c, 'best') for c in got])} | {trend}"
+                     + f" | {k} | {'' if paper is None else f'{paper:.1f}'} |")
+    return lines
+
+
+def table(out: Path, seeds) -> str:
+    lines = ["# FedMix's comparison: three sites, C3 with pixel masks", "",
+             f"Dice (%) on each site's own test cases and their mean (the paper's Avg.), the last model after "
+             f"{ROUNDS} rounds of one local epoch and the best on the sites' validation Dice; mean ± sd over the "
+             "seeds (count in brackets; each seed redraws the data). Paper: FedMix Tables III and V, breast tumour "
+             "segmentation (BUS, BUSIS, UDIAT at 256 px, 300 rounds, five-fold cross-validation)."]
+    for dataset in ("lesion", "ph2"):
+        if (out / dataset / "runs").is_dir():
+            lines += section(out, dataset, seeds)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dataset", choices=["lesion", "ph2"], default="lesion")
+    p.add_argument("--src", type=Path, default=REPO.parent / "shared" / "data" / "ph2")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "fedmix")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--table-only", action="store_true")
+    args = p.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if not args.table_only:
+        for seed in seeds:  # seed-major: an interrupted run leaves whole seeds
+            for name in args.runs.split(","):
+                bench(args, name, seed)
+    text = table(args.out, seeds)
+    (args.out / "TABLE.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
