@@ -346,3 +346,19 @@ def test_fedmix_without_a_pixel_site_fails_before_training(tmp_path):
     assert {k.split(".")[0] for k in setups["site-1"].net.state_dict()} == {"f1", "f2"}
     assert set(first_of_twin(setups["site-1"].net.state_dict())) == {
         k[3:] for k in setups["site-1"].net.state_dict() if k.startswith("f1.")}
+
+
+def test_fedmix_trains_on_the_two_class_flavour(tmp_path):
+    from fedlabels import references
+
+    root = generate("lesion", tmp_path / "l2", seed=0, sites=3, size=16, cases=8, test_cases=4, lesion_classes=2,
+                    supervision=["pixel", "bbox", "image"])
+    setups = references.setups("lesion_unet", root, method="fedmix", config={"image_size": 16})
+    b = next(iter(setups["site-3"].train_loader))
+    assert b["label"].shape[1:] == (2, 16, 16) and set(b["level"].tolist()) == {IMAGE}
+    out = references.federate("fedmix", setups, 1, log=None, client_options={"epsilon": 0.0})
+    rec = out["records"][0]
+    assert rec["aggregated"] and rec["sites"]["site-1"]["n"] == len(setups["site-1"].site.training)
+    # epsilon 0 keeps every image-level case but those tagged background-only
+    tagged = sum(bool(i["classes"]) for i in setups["site-3"].site.training)
+    assert rec["sites"]["site-3"]["n"] == tagged

@@ -66,7 +66,7 @@ POOLED, MEAN = "pooled", "mean"
 TEST_METRICS = {
     "multilabel": (("auroc", True), ("ap", True), ("bacc", True)),
     "multiclass": (("accuracy", False), ("auroc", True), ("precision", True), ("recall", True)),
-    "segmentation": (("dice", True),),
+    "segmentation": (("dice", True), ("dice_present", False), ("empty_correct", False)),
 }
 # The metric of the per-class plot.
 PRIMARY = {"multilabel": "auroc", "multiclass": "auroc", "segmentation": "dice"}

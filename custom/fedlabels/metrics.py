@@ -108,5 +108,11 @@ def segmentation_metrics(pred, target, classes=None) -> dict:
     for i, name in enumerate(classes):
         d = dice_per_case(pred[:, i], target[:, i])
         per_class[name] = {"dice": float(d.mean()) if len(d) else None}
+    # The two halves of the case mean: Dice where the class is present, and how often an image
+    # without it is left empty (an empty image scores 1 or, with any false positive, 0).
+    d = dice_per_case(pred, target)
+    present = np.asarray(target).reshape(len(target), -1).any(1)
     return {"dice": _mean(m["dice"] for m in per_class.values()), "per_class": per_class,
-            "dice_per_case": dice_per_case(pred, target).tolist()}
+            "dice_per_case": d.tolist(),
+            "dice_present": float(d[present].mean()) if present.any() else None,
+            "empty_correct": float(d[~present].mean()) if (~present).any() else None}
