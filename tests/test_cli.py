@@ -214,3 +214,34 @@ def test_export_on_a_hospitals_own_folder(tmp_path, capsys):
         err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(err) == 1 and expected in err[0], err
         assert not (tmp_path / "no").exists()
+
+
+def test_export_twin_first_and_mean_and_a_single_network_refused(tmp_path, capsys):
+    """``export --twin``: a FedMix checkpoint ships F1 as the plain UNet (default) or both networks
+    averaged; ``--twin mean`` on a one-network checkpoint is one line and writes nothing."""
+    import torch
+
+    from fedlabels.nets import GroupNormUNet, TwinUNet
+
+    torch.manual_seed(0)
+    twin = TwinUNet()
+    torch.save(twin.state_dict(), tmp_path / "twin.pt")
+    torch.save(GroupNormUNet().state_dict(), tmp_path / "one.pt")
+    assert cli.main(["export", "--bundle", "lesion_unet", "--ckpt", str(tmp_path / "twin.pt"), "--out",
+                     str(tmp_path / "first")]) == 0
+    shipped = torch.load(tmp_path / "first" / "models" / "model.pt", weights_only=True)
+    assert all(torch.equal(v, twin.f1.state_dict()[k]) for k, v in shipped.items()) and len(shipped) == len(
+        twin.f1.state_dict())
+    assert cli.main(["export", "--bundle", "lesion_unet", "--ckpt", str(tmp_path / "twin.pt"), "--twin", "mean",
+                     "--out", str(tmp_path / "mean")]) == 0
+    ts = torch.jit.load(str(tmp_path / "mean" / "models" / "model.ts"))
+    x = torch.rand(1, 3, 64, 64)
+    with torch.no_grad():
+        twin.eval()
+        want = torch.logit((torch.sigmoid(twin.f1(x)) + torch.sigmoid(twin.f2(x))) / 2, eps=1e-6)
+        assert torch.allclose(ts(x), want, atol=1e-5)
+    capsys.readouterr()
+    assert cli.main(["export", "--bundle", "lesion_unet", "--ckpt", str(tmp_path / "one.pt"), "--twin", "mean",
+                     "--out", str(tmp_path / "no")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "needs a FedMix model" in err[0] and not (tmp_path / "no").exists()
