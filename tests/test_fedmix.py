@@ -362,3 +362,39 @@ def test_fedmix_trains_on_the_two_class_flavour(tmp_path):
     # epsilon 0 keeps every image-level case but those tagged background-only
     tagged = sum(bool(i["classes"]) for i in setups["site-3"].site.training)
     assert rec["sites"]["site-3"]["n"] == tagged
+
+
+def test_masks_from_probabilities_per_class_threshold_by_hand():
+    from fedlabels.bundle.data import MaskFromProbabilitiesd
+
+    p = torch.tensor([[[0.6, 0.2], [0.7, 0.95]], [[0.9, 0.1], [0.5, 0.85]]])   # class 0, class 1
+    out = MaskFromProbabilitiesd("pred", [0.5, 0.8])({"pred": p})["pred"]
+    # (0,0) both reach their threshold, class 1 more probable; (0,1) neither; (1,0) class 0 only;
+    # (1,1) both, class 0 more probable
+    assert out.tolist() == [[[2.0, 0.0], [1.0, 1.0]]]
+    one = MaskFromProbabilitiesd("pred", [0.5])({"pred": torch.tensor([[[0.5, 0.4]]])})["pred"]
+    assert one.tolist() == [[[1.0, 0.0]]]
+
+
+def test_a_two_class_bundle_writes_label_maps(tmp_path):
+    from monai.bundle import run
+
+    from fedlabels.bundle.workflows import export_bundle
+    from fedlabels.nets import GroupNormUNet
+
+    root = generate("lesion", tmp_path / "l2", seed=0, sites=2, size=32, cases=4, test_cases=3, lesion_classes=2)
+    torch.manual_seed(0)
+    torch.save(GroupNormUNet(out_channels=2).state_dict(), tmp_path / "m.pt")
+    exp = export_bundle("lesion_unet", tmp_path / "m.pt", tmp_path / "exp", class_names=["pigmented", "vascular"],
+                        image_size=32)
+    run(config_file=str(exp / "configs" / "inference.json"), meta_file=str(exp / "configs" / "metadata.json"),
+        logging_file=False, bundle_root=str(exp), dataset_dir=str(root / "test" / "images"),
+        output_dir=str(tmp_path / "out"), device="cpu")
+    masks = sorted((tmp_path / "out").glob("*_seg.png"))
+    assert len(masks) == 3
+    values = set()
+    for m in masks:
+        arr = np.asarray(Image.open(m))
+        assert arr.shape == (32, 32)
+        values |= set(np.unique(arr).tolist())
+    assert values <= {0, 1, 2} and len(values) > 1

@@ -12,6 +12,8 @@ The bundle configs call these functions, so a bundle trained with
   or converted is named in one log line and left out; the rest go on.
 * ``MaskLabeld`` -- a segmentation label (mask file, box, image-level tag or none)
   as one binary channel per class;
+* ``MaskFromProbabilitiesd`` -- per-class probabilities to one mask (a label map
+  for several classes), each class at its own decision threshold;
 * ``SaveMaskd`` -- writes a predicted mask next to its kind of input: PNG for
   PNG/JPEG, NIfTI with the source geometry for NIfTI and DICOM.
 * ``DicomPhotometricd`` -- a grey DICOM stored MONOCHROME1 (0 = white) is
@@ -281,6 +283,32 @@ class MaskLabeld(MapTransform):
         return out
 
 
+class MaskFromProbabilitiesd(MapTransform):
+    """Per-class probabilities (C channels) -> one mask channel: with one class, 1 where its
+    probability reaches its threshold; with several, the label map (class index + 1, the mask
+    convention ``MaskLabeld`` reads) of the most probable class among those at or above their
+    thresholds, 0 where none is."""
+
+    def __init__(self, keys: KeysCollection, thresholds, allow_missing_keys: bool = False):
+        super().__init__(keys, allow_missing_keys)
+        self.thresholds = [float(v) for v in thresholds]
+
+    def __call__(self, data):
+        d = dict(data)
+        for key in self.key_iterator(d):
+            p = d[key]
+            if p.shape[0] != len(self.thresholds):
+                raise ValueError(f"{key}: {p.shape[0]} channels for {len(self.thresholds)} class thresholds")
+            t = torch.as_tensor(self.thresholds, dtype=p.dtype, device=p.device).view(-1, *([1] * (p.ndim - 1)))
+            positive = p >= t
+            if p.shape[0] == 1:
+                d[key] = positive.to(p.dtype)
+                continue
+            best = torch.where(positive, p, torch.full_like(p, -1.0)).argmax(0, keepdim=True)
+            d[key] = torch.where(positive.any(0, keepdim=True), best + 1, torch.zeros_like(best)).to(p.dtype)
+        return d
+
+
 class SaveMaskd(MapTransform):
     """Save a mask (channel-first, already inverted to the input's grid) as ``<stem>_<postfix><ext>``.
 
@@ -395,4 +423,5 @@ class RandDihedrald(RandomizableTransform, MapTransform):
 
 
 __all__ = ["datalist", "scenario_info", "default_dataset", "image_files", "Ensure2DChannelsd", "RandDihedrald", "MaskLabeld",
+           "MaskFromProbabilitiesd",
            "IMAGE_SUFFIXES"]
