@@ -58,6 +58,8 @@ RUNS = {
     "fedmix_IBL": ("IBL", ["fedmix"], []),
     "fedmix_lam0": ("UUL", ["fedmix"], ["--opt", "fedmix:lam=0"]),
     "fedmix_eps0": ("UUL", ["fedmix"], ["--opt", "fedmix:epsilon=0"]),
+    # the box rule's own effect: [B, B, L] without it (measured after the box rows fell below [U, U, L])
+    "fedmix_BBL_nobox": ("BBL", ["fedmix"], ["--opt", "fedmix:box_rule=false"]),
 }
 SITES = ("site-1", "site-2", "site-3")
 # FedMix Tables III and V (breast tumour, [C1, C2, C3], Avg. DC %).
@@ -169,6 +171,8 @@ def section(out: Path, dataset: str, seeds) -> list:
             label = "FedMix, lam = 0 (no adaptive aggregation)"
         if name == "fedmix_eps0":
             label = "FedMix, epsilon = 0 (no selection)"
+        if name == "fedmix_BBL_nobox":
+            label = "FedMix without the box rule"
         if row.startswith("oracle:"):
             setting = "[L, L, L]"
         per_site = [fmt([value(c, s) for c in got]) for s in SITES]
