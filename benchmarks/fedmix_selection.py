@@ -52,10 +52,13 @@ def score(net, cases, epsilon=0.9):
     r1, r2 = refine(p1, label, level), refine(p2, label, level)
     keep = select(r1, r2, label, level, epsilon)
     d = dice_agreement(r1, mask)
-    kept, rejected = d[keep], d[~keep]
-    return {"kept": float(keep.float().mean()), "dice_kept": float(kept.mean()) if len(kept) else None,
-            "dice_rejected": float(rejected.mean()) if len(rejected) else None,
-            "dice_all": float(d.mean())}
+    lesion = mask.flatten(1).sum(1) > 0   # lesion-free cases agree trivially (two empty masks): kept apart
+    area = r1.flatten(1).sum(1) / mask.flatten(1).sum(1).clamp(min=1)
+    mean = lambda v: float(v.mean()) if len(v) else None  # noqa: E731
+    return {"kept": float(keep.float().mean()), "kept_lesion": mean(keep[lesion].float()),
+            "dice_kept": mean(d[keep & lesion]), "dice_rejected": mean(d[~keep & lesion]),
+            "area_kept": mean(area[keep & lesion]), "area_rejected": mean(area[~keep & lesion]),
+            "dice_all": mean(d[lesion])}
 
 
 def main(argv=None):
@@ -99,16 +102,20 @@ def main(argv=None):
              f"`python benchmarks/fedmix_selection.py --data {args.data} --rounds {args.rounds} --every {args.every} "
              f"--seed {args.seed}` ({time.time() - t0:.0f} s). After round r, the global F1 and F2 on each site's "
              "training cases (deterministic view): the fraction the selection keeps, and the Dice of F1's refined "
-             "pseudo label against the oracle mask for kept and rejected cases (two empty masks: Dice 1). "
-             "`kept in training` is the fraction the site kept during round r itself (augmented views).", "",
+             "pseudo label against the oracle mask for kept and rejected cases with a lesion (lesion-free cases "
+             "agree trivially and are left out of the Dice and area columns), and the area of that pseudo label "
+             "over the lesion's (above 1: larger than the lesion). `kept in training` is the fraction the site "
+             "kept during round r itself (augmented views).", "",
              *[f"Boxes at {s}: the lesion fills {np.mean(f):.2f} of its box on average (median {np.median(f):.2f}); "
                f"{np.mean(f >= 1 / 3):.2f} of the boxes are at least a third full, the fill at which a perfect "
                "pseudo label reaches dice 0.5 with its box." for s, f in fill.items()], "",
-             "| round | site | supervision | kept | Dice kept | Dice rejected | Dice all | kept in training |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| round | site | supervision | kept (all) | kept (lesion cases) | Dice kept | Dice rejected | "
+             "Dice all | area kept | area rejected | kept in training |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r, s, sup, sc, k in rows:
-        lines.append(f"| {r} | {s} | {sup} | {sc['kept']:.2f} | {fmt(sc['dice_kept'])} | {fmt(sc['dice_rejected'])} | "
-                     f"{fmt(sc['dice_all'])} | {fmt(k)} |")
+        lines.append(f"| {r} | {s} | {sup} | {sc['kept']:.2f} | {fmt(sc['kept_lesion'])} | {fmt(sc['dice_kept'])} | "
+                     f"{fmt(sc['dice_rejected'])} | {fmt(sc['dice_all'])} | {fmt(sc['area_kept'])} | "
+                     f"{fmt(sc['area_rejected'])} | {fmt(k)} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -151,18 +151,23 @@ def kept(cell):
     return " / ".join(out)
 
 
-def section(out: Path, dataset: str, seeds) -> list:
+def section(out: Path, dataset: str, seeds, compact: bool = False) -> list:
     cells = read_cells(out, dataset)
     rows = [("main", "local:site-3")] + [("main", m) for m in RUNS["main"][1]] + \
         [(name, "fedmix") for name in RUNS if name.startswith("fedmix_")]
     first, mid = [int(r) for r in EVAL[dataset].split(",")][:2]
     title = {"lesion": f"Embedded lesion scenario (3 sites x 80 cases, 32 px, {ROUNDS[dataset]} rounds)",
              "ph2": f"PH2 (3 random shares of 200 images, each site's own test fold, 32 px, {ROUNDS[dataset]} rounds)"}
-    lines = ["", f"## {title[dataset]}", "",
-             f"| setting [C1, C2, C3] | row | C1 | C2 | C3 | mean (Avg.) | best-on-val mean | mean at {first} / {mid} | "
-             "pooled: Dice where a lesion is / lesion-free images left empty | "
-             "FedMix kept fraction C1 / C2 / C3 (last 10 rounds, per seed) | paper Avg. (breast) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    if compact:
+        lines = ["", f"**{title[dataset]}**", "",
+                 "| setting [C1, C2, C3] | row | C1 | C2 | C3 | mean (Avg.) | best-on-val | Dice where a lesion is / "
+                 "lesion-free left empty | paper Avg. (breast) |", "|---|---|---|---|---|---|---|---|---|"]
+    else:
+        lines = ["", f"## {title[dataset]}", "",
+                 f"| setting [C1, C2, C3] | row | C1 | C2 | C3 | mean (Avg.) | best-on-val mean | mean at {first} / {mid} | "
+                 "pooled: Dice where a lesion is / lesion-free images left empty | "
+                 "FedMix kept fraction C1 / C2 / C3 (last 10 rounds, per seed) | paper Avg. (breast) |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in rows:
         got = [cells[(name, row, s)] for s in seeds if (name, row, s) in cells]
         setting = "[" + ", ".join(RUNS[name][0]) + "]"
@@ -181,6 +186,13 @@ def section(out: Path, dataset: str, seeds) -> list:
                  f"{fmt([value(c, 'pooled', 'empty_correct') for c in got])}"
         k = " ; ".join(kept(c) for c in got) if row == "fedmix" else ""
         paper = PAPER.get((name, row))
+        if compact:
+            if dataset == "ph2":  # every PH2 image has a lesion: nothing to split
+                halves = "-"
+            lines.append(f"| {setting} | {label} ({len(got)}) | " + " | ".join(per_site)
+                         + f" | {fmt([site_mean(c) for c in got])} | {fmt([site_mean(c, 'best') for c in got])} | "
+                         f"{halves} | {'' if paper is None else f'{paper:.1f}'} |")
+            continue
         lines.append(f"| {setting} | {label} ({len(got)}) | " + " | ".join(per_site)
                      + f" | {fmt([site_mean(c) for c in got])} | {fmt([site_mean(c, 'best') for c in got])} | {trend}"
                      + f" | {halves} | {k} | {'' if paper is None else f'{paper:.1f}'} |")
@@ -210,12 +222,16 @@ def main(argv=None):
     p.add_argument("--runs", default=",".join(RUNS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--table-only", action="store_true")
+    p.add_argument("--compact", action="store_true", help="print the README's narrower tables")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     if not args.table_only:
         for seed in seeds:  # seed-major: an interrupted run leaves whole seeds
             for name in args.runs.split(","):
                 bench(args, name, seed)
+    if args.compact:
+        print("\n".join(line for d in ("lesion", "ph2") for line in section(args.out, d, seeds, compact=True)))
+        return
     text = table(args.out, seeds)
     (args.out / "TABLE.md").write_text(text)
     print(text)
