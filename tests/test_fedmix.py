@@ -122,7 +122,7 @@ def test_adaptive_weights_by_hand_and_lam_zero_is_count_weighting():
         adaptive_weights([0, 0], [0.5, 0.5], lam=1, beta=1)
 
 
-def test_adaptive_server_weighs_every_key_and_abstaining_sites_are_not_in_it():
+def test_adaptive_server_weighs_f1_and_f2_alike():
     server = FedMixServer(lam=10, beta=1.5)
     server.setup({"a": {"supervision": "pixel", "labeled": True}, "b": {"supervision": "none", "labeled": False}})
     ups = [Update("a", {"f1.w": np.array([1.0]), "f2.w": np.array([2.0])}, 10, metrics={"train_loss": 0.5}),
@@ -201,6 +201,9 @@ def test_fedmix_step_is_cross_pseudo_supervision():
         opt.step()
         return ref.state_dict()
 
+    # the pseudo labels came from the received networks, kept frozen while the site trained
+    assert all(torch.equal(v, start[k]) for k, v in client.teacher.state_dict().items())
+    assert not any(p.requires_grad for p in client.teacher.parameters())
     want, swapped = reference(False), reference(True)
     for k, v in update.weights.items():
         np.testing.assert_allclose(v, want[k].numpy(), atol=1e-6, err_msg=k)
@@ -265,6 +268,10 @@ def test_weak_labels_render_on_the_image_grid(tmp_path):
     assert m.shape == (2, 6, 4) and m[0, 1, 0] == 1 and m[1, 5, 3] == 1 and m.sum() == 2
     with pytest.raises(ValueError, match=r"m.png: mask of \(6, 4\) pixels, its image \(5, 4\)"):
         tf({"image": torch.zeros(3, 5, 4), "label": str(tmp_path / "m.png")})
+    arr[arr > 0] = 255  # a binary 0/255 mask given to a two-class network
+    Image.fromarray(arr).save(tmp_path / "b.png")
+    with pytest.raises(ValueError, match=r"b.png: mask values up to 255; a mask of 2 classes holds class index \+ 1"):
+        tf({**image, "label": str(tmp_path / "b.png")})
 
 
 def test_every_case_of_a_mixed_site_reaches_the_loader_with_its_level():
@@ -333,6 +340,13 @@ def test_bad_segmentation_input_is_one_error_naming_file_and_field(mixed):
     edit(mixed, "site-1", lambda it: it.pop("seg"))
     with pytest.raises(ScenarioError, match=r"site-1/datalist.json.*training\[0\].*seg.*missing"):
         load_scenario(mixed)
+    edit(mixed, "site-1", lambda it: it.update(seg=first["seg"]))
+    PILImage.fromarray(np.zeros((16, 16), np.uint8)).save(mixed / "site-1" / first["seg"])
+    load_scenario(mixed)  # valid again
+    # a mask on a box case would reach training as its label
+    edit(mixed, "site-2", lambda it: it.update(seg=first["seg"]))
+    with pytest.raises(ScenarioError, match=r"site-2/datalist.json.*training\[0\].*seg.*'bbox' case carries a mask"):
+        load_scenario(mixed)
 
 
 def test_fedmix_without_a_pixel_site_fails_before_training(tmp_path):
@@ -398,3 +412,17 @@ def test_a_two_class_bundle_writes_label_maps(tmp_path):
         assert arr.shape == (32, 32)
         values |= set(np.unique(arr).tolist())
     assert values <= {0, 1, 2} and len(values) > 1
+
+
+def test_twin_unet_starts_only_from_a_checkpoint_of_two_networks(tmp_path):
+    from fedlabels.nets import GroupNormUNet
+
+    small = dict(in_channels=1, features=(4, 4, 4, 4, 4, 4), num_groups=2)
+    torch.save(GroupNormUNet(**small).state_dict(), tmp_path / "one.pt")
+    with pytest.raises(ValueError, match="one.pt: TwinUNet starts from a checkpoint of two networks"):
+        TwinUNet(**small, init_ckpt=str(tmp_path / "one.pt"))
+    torch.manual_seed(3)
+    saved = TwinUNet(**small)
+    torch.save(saved.state_dict(), tmp_path / "two.pt")
+    loaded = TwinUNet(**small, init_ckpt=str(tmp_path / "two.pt"))
+    assert all(torch.equal(v, saved.state_dict()[k]) for k, v in loaded.state_dict().items())

@@ -156,8 +156,17 @@ class TwinUNet(nn.Module):
             raise ValueError(f"TwinUNet output must be one of {self.OUTPUTS}, not {output!r}")
         self.spatial_dims, self.in_channels, self.out_channels = spatial_dims, in_channels, out_channels
         self.features, self.num_groups, self.init_ckpt, self.output = tuple(features), num_groups, init_ckpt, output
-        self.f1 = GroupNormUNet(spatial_dims, in_channels, out_channels, features, num_groups, init_ckpt)
-        self.f2 = GroupNormUNet(spatial_dims, in_channels, out_channels, features, num_groups, init_ckpt)
+        self.f1 = GroupNormUNet(spatial_dims, in_channels, out_channels, features, num_groups)
+        self.f2 = GroupNormUNet(spatial_dims, in_channels, out_channels, features, num_groups)
+        if init_ckpt:
+            # Only a checkpoint of two networks: one network's weights in both would start F1 = F2, which then
+            # always agree (FedMix's selection and cross supervision do nothing).
+            state = torch.load(init_ckpt, map_location="cpu", weights_only=True)
+            state = state.get("model", state) if isinstance(state, dict) else state
+            if not is_twin(state):
+                raise ValueError(f"{init_ckpt}: TwinUNet starts from a checkpoint of two networks (keys f1.*, f2.*); "
+                                 "one network's weights would make F1 and F2 start identical")
+            _load_init(self, init_ckpt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.f1(x)

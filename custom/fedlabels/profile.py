@@ -261,7 +261,10 @@ def _check_seg_item(item, i, file, base, classes, profile, oracle, check_files):
             if image_size(Path(item["seg"])) != image_size(Path(item["image"])):
                 raise ScenarioError(file, f"the mask is {image_size(Path(item['seg']))} pixels (width, height), its "
                                     f"image {image_size(Path(item['image']))}", i, "seg")
-    elif level == "bbox":
+    elif "seg" in item:  # a mask on a weaker case would reach training as its label
+        raise ScenarioError(file, f"a {level!r} case carries a mask; only 'pixel' cases may (remove the field or "
+                            "set supervision: pixel)", i, "seg")
+    if level == "bbox":
         boxes = _require_item(item, "boxes", file, i)
         if not isinstance(boxes, list):
             raise ScenarioError(file, "expected a list of [x0, y0, x1, y1, class]", i, "boxes")

@@ -70,7 +70,7 @@ def bundle_item(item: dict, task: str, labeled_only: bool) -> dict | None:
     if labeled_only:
         return {"image": item["image"], "label": item["seg"]} if "seg" in item else None
     level = item.get("supervision", "pixel" if "seg" in item else "none")
-    if "seg" in item:
+    if level == "pixel":
         label = item["seg"]
     else:
         label = {"level": level, **{k: item[k] for k in ("boxes", "classes") if k in item}}
@@ -265,6 +265,9 @@ class MaskLabeld(MapTransform):
             raise ValueError(f"{path}: mask of {tuple(m.shape)} pixels, its image {size} (x, y)")
         if self.num_classes == 1:
             return (m > 0).float()[None]
+        if m.max() > self.num_classes:
+            raise ValueError(f"{path}: mask values up to {int(m.max())}; a mask of {self.num_classes} classes holds "
+                             "class index + 1 (0 = background)")
         return torch.stack([m == c + 1 for c in range(self.num_classes)]).float()
 
     def render(self, weak: dict, size) -> torch.Tensor:

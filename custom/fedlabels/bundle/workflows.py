@@ -364,10 +364,13 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
             infer["class_names"] = [str(c) for c in class_names]
         if image_size is not None:
             infer["image_size"] = int(image_size)
+        from ..nets import is_twin
+
+        twin_model = is_twin(state)
         state = _twin_network(state, infer, twin, ckpt)
         for key, value in {**(trained.network if trained else {}), **(network or {})}.items():
-            if key in ("init_ckpt", "_target_", "output"):  # where training started; the network class (above)
-                continue
+            if key == "init_ckpt" or (twin_model and key in ("_target_", "output")):
+                continue  # where training started; a FedMix model's network class (set above)
             if key not in infer["network_def"]:
                 raise ValueError(f"{bundle}/configs/inference.json: network_def has no {key!r} to carry the network "
                                  f"option {key}={value!r}")
