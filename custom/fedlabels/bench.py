@@ -1,7 +1,7 @@
 """``fedlabels bench``: registered methods side by side, over seeds, with their floor.
 
     fedlabels bench --data DIR|embedded:FAMILY --bundle NAME --methods m1,m2 --seeds 0,1,2 --rounds R
-                    [--local-epochs E] [--opt METHOD:key=value ...] [--eval-rounds 10,30,100]
+                    [--protocol NAME] [--local-epochs E] [--opt METHOD:key=value ...] [--eval-rounds 10,30,100]
                     [--engine inprocess|flare] [--synth key=value ...] [--batch-size B]
                     [--network key=value ...] [--image-size N] --out OUT
 
@@ -26,6 +26,13 @@ E local epochs, so rows differ only in the method. ``--opt`` names are routed
 to the method's client or server rule by name (``all:`` = every method and
 the floor, ``local:`` = the floor); an unknown name stops the run before any
 training.
+
+``--protocol NAME`` trains every row, the floor included, with a paper's
+preset (``fedlabels.presets``: the bundle's ``configs/protocols/NAME.json``):
+its input scaling and size, augmentations, network and batch size, and its
+optimizer, lr, weight decay, optimizer reset, local epochs and rounds as the
+defaults that ``--rounds``, ``--local-epochs``, ``--batch-size`` and ``--opt``
+override. ``--bundle`` defaults to the preset's bundle.
 
 Seeds redraw the split where the data allows it: ``embedded:FAMILY`` generates
 one scenario per seed (``OUT/data/FAMILY-seedS``, with the ``--synth``
@@ -148,6 +155,7 @@ class Plan:
     out: Path
     network: dict = field(default_factory=dict)    # network_def overrides of every row (e.g. widen_factor)
     image_size: int | None = None                 # the bundle's input size (None: the bundle's own)
+    protocol: str | None = None                   # a preset (fedlabels.presets) every row trains with
     options: dict = field(default_factory=dict)   # method -> {"client": {...}, "server": {...}}
     floor_client: dict = field(default_factory=dict)
     family: str | None = None                     # embedded family
@@ -157,8 +165,10 @@ class Plan:
 
     @property
     def config(self) -> dict | None:
-        """Bundle config overrides of every row."""
-        return {"image_size": self.image_size} if self.image_size else None
+        """Bundle config overrides of every row (the preset's override file, then the input size)."""
+        out = {**({"protocol": self.protocol} if self.protocol else {}),
+               **({"image_size": self.image_size} if self.image_size else {})}
+        return out or None
 
     @property
     def last_round(self) -> int:
@@ -189,6 +199,15 @@ def make_plan(args) -> Plan:
     if not names:
         raise ValueError("--methods: name at least one method")
     registered = {n: methods.get(base_method(n)) for n in names}  # unknown -> ValueError naming the registered ones
+    protocol = getattr(args, "protocol", None)
+    preset = None
+    if protocol:
+        from . import presets
+
+        preset = presets.load(protocol, args.bundle)
+        args.rounds = preset.rounds if args.rounds is None else args.rounds
+    elif args.bundle is None or args.rounds is None:
+        raise ValueError("--bundle and --rounds are required without --protocol (a preset gives both)")
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if args.local_epochs is not None and args.local_epochs < 1:
@@ -203,11 +222,12 @@ def make_plan(args) -> Plan:
     if args.engine == "flare" and eval_rounds != [args.rounds]:
         raise ValueError(f"--engine flare scores the final round only: drop --eval-rounds or give "
                          f"--eval-rounds {args.rounds} (use --engine inprocess for earlier rounds)")
-    bundle = bundle_path(args.bundle)
+    bundle = preset.bundle if preset else bundle_path(args.bundle)
 
-    epochs = args.local_epochs or 1
-    options = {n: {"client": {"lr": DEFAULT_LR, "epochs": epochs}, "server": {}} for n in names}
-    floor = {"lr": DEFAULT_LR}
+    epochs = args.local_epochs or (preset.local_epochs if preset else 1)
+    client = dict(preset.client) if preset else {"lr": DEFAULT_LR}
+    options = {n: {"client": {**client, "epochs": epochs}, "server": {}} for n in names}
+    floor = dict(client)
     floor_rule = methods.get("fedavg_pl")
     parsed = parse_opts(args.opt)
     # all: first, so a method's own --opt wins.
@@ -257,7 +277,8 @@ def make_plan(args) -> Plan:
     return Plan(data=data, bundle=bundle, methods=names, seeds=seeds, rounds=args.rounds, local_epochs=epochs,
                 eval_rounds=eval_rounds, engine=args.engine, synth=synth, batch_size=args.batch_size,
                 out=Path(args.out).resolve(), options=options, floor_client=floor, family=family,
-                per_seed_split=bool(family) or "{seed}" in data, network=network, image_size=image_size)
+                per_seed_split=bool(family) or "{seed}" in data, network=network, image_size=image_size,
+                protocol=protocol)
 
 
 def prepare_data(plan: Plan) -> None:
@@ -359,7 +380,8 @@ def cell_config(plan: Plan, cell: Cell) -> dict:
               "bundle": str(plan.bundle), "rounds": plan.rounds, "eval_rounds": plan.eval_rounds,
               "batch_size": plan.batch_size, "local_epochs": plan.local_epochs,
               **({"network": plan.network} if plan.network else {}),
-              **({"image_size": plan.image_size} if plan.image_size else {})}
+              **({"image_size": plan.image_size} if plan.image_size else {}),
+              **({"protocol": plan.protocol} if plan.protocol else {})}
     if cell.site:
         sc = plan.scenarios[cell.seed]
         return {**common, "client": floor_method(sc.task), "client_options": plan.floor_client}
@@ -489,7 +511,7 @@ def run_federated_flare(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict:
                    oracle=cell.method.startswith(ORACLE), bundle=str(plan.bundle),
                    family=plan.family or "cxr", rounds=plan.rounds, sites=len(sc.sites), client=dict(opts["client"]),
                    server=dict(opts["server"]), seed=cell.seed, batch_size=plan.batch_size,
-                   network=dict(plan.network), image_size=plan.image_size)
+                   network=dict(plan.network), image_size=plan.image_size, protocol=plan.protocol)
     work = plan.out / "flare" / cell_name(cell.method, cell.seed)
     job_dir = export(spec, work / "jobs")
     log(f"FLARE simulator, {len(sc.sites)} sites x {plan.rounds} rounds; log: {work / 'simulator.log'}")
@@ -831,10 +853,12 @@ def add_parser(sub) -> None:
     s.add_argument("--data", required=True,
                    help="scenario folder; with '{seed}' in it, one prepared split per seed "
                         "(e.g. data/blood-seed{seed}); or embedded:cxr|medmnist|lesion (one generated split per seed)")
-    s.add_argument("--bundle", required=True, help="bundle name under bundles/ or a bundle folder")
+    s.add_argument("--bundle", help="bundle name under bundles/ or a bundle folder (default: the --protocol's)")
+    s.add_argument("--protocol", help="a paper's preset (fedlabels.presets: isofed, fedmix): input scaling, "
+                                      "augmentation, network, optimizer, batch, epochs and rounds of every row")
     s.add_argument("--methods", required=True, help="comma-separated registered methods (fedlabels methods)")
     s.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
-    s.add_argument("--rounds", type=int, required=True, help="federated rounds R")
+    s.add_argument("--rounds", type=int, help="federated rounds R (required without --protocol)")
     s.add_argument("--local-epochs", type=int, help="local epochs per round (client option epochs; default 1)")
     s.add_argument("--opt", action="append", metavar="METHOD:key=value",
                    help="a method's client or server option (routed by name; values parsed as JSON when they "

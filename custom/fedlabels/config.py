@@ -118,6 +118,9 @@ class RunConfig:
         size = self.data.get("image_size")
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 8):
             raise ConfigError(path, "data.image_size", f"expected an integer >= 8 (pixels), not {size!r}")
+        protocol = self.data.get("protocol")
+        if protocol is not None and (not isinstance(protocol, str) or not protocol):
+            raise ConfigError(path, "data.protocol", f"expected a preset name (fedlabels.presets), not {protocol!r}")
         if self.transfer not in TRANSFERS:
             raise ConfigError(path, "transfer", f"must be one of {TRANSFERS}, not {self.transfer!r}")
         if self.privacy:
@@ -132,6 +135,7 @@ class RunConfig:
         return self.key_metric or KEY_METRICS[task]
 
     def bundle_config(self) -> dict:
-        """Overrides of the bundle's config this run trains with (``image_size``)."""
-        size = self.data.get("image_size")
-        return {} if size is None else {"image_size": int(size)}
+        """Overrides of the bundle's config this run trains with (``protocol``: a preset's override file,
+        ``image_size``)."""
+        size, protocol = self.data.get("image_size"), self.data.get("protocol")
+        return {**({"protocol": protocol} if protocol else {}), **({} if size is None else {"image_size": int(size)})}

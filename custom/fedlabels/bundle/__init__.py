@@ -34,13 +34,20 @@ def bundle_path(bundle, here=None) -> Path:
                             f"{[str(c) for c in candidates]}); bundles: {have}")
 
 
-def read(bundle, dataset_dir="", **overrides):
-    """The bundle's train config (``monai.bundle.ConfigParser``) with ``dataset_dir`` and overrides applied."""
+def read(bundle, dataset_dir="", protocol: str | None = None, **overrides):
+    """The bundle's train config (``monai.bundle.ConfigParser``) with ``dataset_dir`` and overrides applied;
+    ``protocol``: a preset's override file (``configs/protocols/<protocol>.json``, ``fedlabels.presets``)
+    merged over it first, as ``monai.bundle run`` merges a list of config files."""
     from monai.bundle import ConfigParser
 
     bundle = bundle_path(bundle)
     parser = ConfigParser()
-    parser.read_config(str(bundle / "configs" / "train.json"))
+    files = [bundle / "configs" / "train.json"]
+    if protocol:
+        from ..presets import load
+
+        files.append(load(protocol, bundle).path)
+    parser.read_config([str(f) for f in files])
     parser.update({"bundle_root": str(bundle), "dataset_dir": str(dataset_dir), **overrides})
     return parser
 

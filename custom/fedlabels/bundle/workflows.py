@@ -360,6 +360,17 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
         meta = json.loads(meta_path.read_text())
         if image_size is None and trained is not None:
             image_size = trained.bundle_config().get("image_size")
+        protocol = trained.bundle_config().get("protocol") if trained is not None else None
+        if protocol:  # the run trained with a preset: inference scales and sizes its input the same way
+            from ..presets import load as load_preset
+
+            preset = json.loads(load_preset(protocol, bundle).path.read_text())
+            image_size = preset.get("image_size") if image_size is None else image_size
+            if "intensity" in preset:
+                if "intensity" not in infer:
+                    raise ValueError(f"{bundle}/configs/inference.json: no 'intensity' entry to carry the "
+                                     f"intensity scaling of the run's protocol {protocol!r}")
+                infer["intensity"] = preset["intensity"]
         if class_names is not None:
             infer["class_names"] = [str(c) for c in class_names]
         if image_size is not None:

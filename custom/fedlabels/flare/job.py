@@ -55,6 +55,7 @@ class JobSpec:
     seed: int = 0
     batch_size: int | None = None
     image_size: int | None = None  # the bundle's input size (None: the bundle's own)
+    protocol: str | None = None  # a preset's override file merged over the bundle's config (fedlabels.presets)
     oracle: bool = False  # sites train on their full labels (oracle.json): an upper-bound run
     key_metric: str | None = None  # None: the task's default (fedlabels.config.KEY_METRICS)
     min_sites: int = 1
@@ -69,7 +70,8 @@ class JobSpec:
                          server=dict(self.server), network=methods.get(self.method).network_options(self.network),
                          data={"family": self.family, "synth": dict(self.synth), "batch_size": self.batch_size,
                                **({"oracle": True} if self.oracle else {}),
-                               **({"image_size": self.image_size} if self.image_size else {})},
+                               **({"image_size": self.image_size} if self.image_size else {}),
+                               **({"protocol": self.protocol} if self.protocol else {})},
                          seed=self.seed, key_metric=self.key_metric, min_sites=self.min_sites, faults=list(self.faults),
                          transfer=self.transfer, privacy=dict(self.privacy))
 

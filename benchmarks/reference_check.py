@@ -1,0 +1,191 @@
+"""The project's training path against an independent plain-PyTorch loop of the same protocol.
+
+    python benchmarks/reference_check.py --protocol isofed --data 'DIR-s{seed}' --seeds 0,1,2 --rounds 20 \
+        --eval-rounds 5,10,20 --label pneumoniamnist-g0.8 --out benchmarks/results/reference_check
+
+Per seed (one prepared split each; ``{seed}`` in ``--data``) it runs the
+project's ``oracle:fedavg`` row (``fedlabels bench``'s in-process round engine
+with the preset, every site fully labeled) and ``benchmarks/reference/``'s
+loop of the same protocol on the same split, and prints the test metric of
+both at every eval round and both times per round. Cells are resumable
+(``OUT/cells/LABEL-seedS.json``, written atomically); ``OUT/../reference_check.md``
+is rewritten from every finished cell: mean ± sd over seeds, the difference,
+and whether it is within ``--tolerance``.
+
+``--reference-scaling minmax`` runs the reference with each image scaled to
+[0, 1] by its own min and max instead of the preset's scaling, which shows
+what that scaling alone does to the same loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference import fedavg_classification as reference  # noqa: E402
+
+# What the reference needs of a preset, read from the preset itself (so a preset edit reaches both sides).
+REFERENCES = {"isofed": "classification"}
+
+
+def reference_settings(protocol: str) -> dict:
+    """The reference loop's arguments from the preset: optimizer settings, batch, epochs, scaling, augmentation."""
+    from fedlabels import presets
+
+    p = presets.load(protocol)
+    raw = json.loads(p.path.read_text())
+    if p.client.get("optimizer", "adam") != "adam" or not p.client.get("reset_optimizer", False):
+        raise ValueError(f"{p.path}: the reference loop implements a fresh Adam every round only")
+    intensity = raw.get("intensity", {})
+    fixed = intensity.get("_target_") == "ScaleIntensityRanged" and (intensity.get("b_min"), intensity.get("b_max")) == (-1.0, 1.0)
+    flips = [t.get("_target_") for t in raw.get("train#random_transforms", [])]
+    return {"scaling": "fixed" if fixed else "minmax", "augment": "hflip" if flips == ["RandFlipd"] else "dihedral",
+            "lr": p.client.get("lr", 1e-3), "batch_size": p.batch_size or 64, "epochs": p.local_epochs}
+
+
+def project_cell(protocol: str, data: Path, seed: int, rounds: int, eval_rounds: list, work: Path,
+                 config: dict | None = None, log=print) -> dict:
+    """``fedlabels bench``'s ``oracle:fedavg`` cell (in process) with the preset: test metrics per eval round."""
+    from fedlabels import bench
+
+    args = SimpleNamespace(data=str(data), bundle=None, methods="oracle:fedavg", seeds=str(seed), rounds=rounds,
+                           local_epochs=None, opt=None, eval_rounds=",".join(map(str, eval_rounds)),
+                           engine="inprocess", synth=None, batch_size=None, network=None, image_size=None,
+                           out=str(work), protocol=protocol)
+    plan = bench.make_plan(args)
+    bench.prepare_data(plan)
+    if config:  # extra bundle overrides (a test switching the scaling back)
+        plan_config = {**(plan.config or {}), **config}
+        plan.__class__ = type("PlanWithOverrides", (bench.Plan,), {"config": property(lambda self: plan_config)})
+    scorer = bench.Scorer(plan.bundle, plan.datasets[seed], plan.network, plan.config)
+    out = bench.run_federated_inprocess(plan, bench.Cell("oracle:fedavg", seed), scorer, lambda m: None)
+    metrics = {}
+    for r in out["rows"]:
+        if r["model"] == "last" and r["group"] == bench.POOLED and r["metric"] in ("accuracy", "auroc", "recall"):
+            cls = r["class"]
+            m = metrics.setdefault(int(r["round"]), {"recall_per_class": {}})
+            if cls == bench.MEAN and r["metric"] != "recall":
+                m[r["metric"]] = r["value"]
+            elif r["metric"] == "recall" and cls != bench.MEAN:
+                m["recall_per_class"][cls] = r["value"]
+    for r, m in metrics.items():
+        m["classes_predicted"] = sum(1 for v in m.pop("recall_per_class").values() if v)
+        log(f"[project] seed {seed} round {r}: {m}")
+    return {"metrics": metrics, "seconds_per_round": float(np.mean([rec["seconds"] for rec in out["records"]]))}
+
+
+def compare(protocol, data: Path, seed: int, rounds: int, eval_rounds: list, work: Path, reference_scaling=None,
+            config=None, log=print) -> dict:
+    """One split: the project's cell and the reference's, side by side, one after the other in this process."""
+    settings = reference_settings(protocol)
+    if reference_scaling:
+        settings["scaling"] = reference_scaling
+    proj = project_cell(protocol, data, seed, rounds, eval_rounds, work, config=config, log=log)
+    ref = reference.run(data, rounds, set(eval_rounds), seed=seed, log=lambda m: log(m), **settings)
+    return {"protocol": protocol, "data": str(data), "seed": seed, "rounds": rounds, "reference": settings,
+            "project": proj, "reference_run": ref}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _fmt(vals, scale=100.0, digits=1):
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return "—"
+    mean = scale * float(np.mean(vals))
+    sd = scale * float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0
+    return f"{mean:.{digits}f} ± {sd:.{digits}f}"
+
+
+def table(out: Path, tolerance: dict) -> str:
+    cells = [json.loads(p.read_text()) for p in sorted((out / "cells").glob("*.json"))]
+    groups = {}
+    for c in cells:
+        groups.setdefault((c["label"], c["reference"]["scaling"]), []).append(c)
+    lines = ["# The project's training path against an independent plain-PyTorch reference", "",
+             "Written by `benchmarks/reference_check.py` from `benchmarks/results/reference_check/cells/`. "
+             "Both sides train FedAvg with every site fully labeled on the same prepared split (one split per "
+             "seed), with the preset's settings; the project side is `fedlabels bench`'s `oracle:fedavg` row "
+             "(the in-process round engine, the MONAI bundle's transforms), the reference side is "
+             "`benchmarks/reference/` (plain PyTorch, Pillow, no MONAI or fedlabels code). Metric: the last "
+             "model's test metric, mean ± sd over splits; `classes` = classes predicted for at least one test "
+             "case, per split. Seconds per round: the project's includes scoring the received model on each "
+             "site's validation data (best-model selection); the reference trains only.", ""]
+    for (label, scaling), cs in sorted(groups.items()):
+        metric = "accuracy"
+        tol = tolerance.get(metric, 0.02)
+        rounds = sorted({int(r) for c in cs for r in c["project"]["metrics"]})
+        seeds = [c["seed"] for c in cs]
+        ratio = [c["project"]["seconds_per_round"] / c["reference_run"]["seconds_per_round"] for c in cs]
+        lines += [f"## {label} (protocol `{cs[0]['protocol']}`, reference scaling `{scaling}`, seeds {seeds})", "",
+                  f"Seconds per round: project {np.mean([c['project']['seconds_per_round'] for c in cs]):.2f}, "
+                  f"reference {np.mean([c['reference_run']['seconds_per_round'] for c in cs]):.2f} "
+                  f"(project / reference {np.mean(ratio):.2f}x).", "",
+                  f"| round | project {metric} | reference {metric} | difference | within {100 * tol:.0f} points "
+                  "| project AUROC | reference AUROC | classes (project / reference) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in rounds:
+            p = [c["project"]["metrics"].get(str(r), {}) for c in cs]
+            q = [c["reference_run"]["metrics"].get(str(r), {}) for c in cs]
+            pm, qm = [x.get(metric) for x in p], [x.get(metric) for x in q]
+            diff = float(np.mean(pm) - np.mean(qm))
+            lines.append(f"| {r} | {_fmt(pm)} | {_fmt(qm)} | {100 * diff:+.1f} | {'yes' if abs(diff) <= tol else 'NO'} "
+                         f"| {_fmt([x.get('auroc') for x in p])} | {_fmt([x.get('auroc') for x in q])} "
+                         f"| {','.join(str(x.get('classes_predicted')) for x in p)} / "
+                         f"{','.join(str(x.get('classes_predicted')) for x in q)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--protocol", required=True, choices=sorted(REFERENCES))
+    ap.add_argument("--data", required=True, help="prepared scenario folder with {seed} in it (one split per seed)")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--rounds", type=int, required=True)
+    ap.add_argument("--eval-rounds", help="comma-separated rounds to score (default: the last)")
+    ap.add_argument("--label", required=True, help="the row's name in the table, e.g. pneumoniamnist-g0.8")
+    ap.add_argument("--reference-scaling", choices=("fixed", "minmax"),
+                    help="the reference's input scaling instead of the preset's")
+    ap.add_argument("--tolerance", type=float, default=0.02, help="allowed |project - reference| (fraction)")
+    ap.add_argument("--out", default="benchmarks/results/reference_check")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    (out / "cells").mkdir(parents=True, exist_ok=True)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    eval_rounds = sorted({int(r) for r in args.eval_rounds.split(",")}) if args.eval_rounds else [args.rounds]
+    for seed in seeds:
+        data = Path(args.data.replace("{seed}", str(seed)))
+        if not (data / "scenario.yaml").is_file():
+            raise SystemExit(f"reference_check: {data}: no scenario.yaml (prepare the split first: fedlabels prepare ...)")
+    for seed in seeds:
+        tag = args.label + (f"-ref{args.reference_scaling}" if args.reference_scaling else "")
+        cell = out / "cells" / f"{tag}-seed{seed}.json"
+        if cell.is_file():
+            print(f"[check] {cell.name}: done, skipped", flush=True)
+            continue
+        t0 = time.time()
+        data = Path(args.data.replace("{seed}", str(seed)))
+        result = compare(args.protocol, data, seed, args.rounds, eval_rounds, out / "work" / tag,
+                         reference_scaling=args.reference_scaling, log=lambda m: print(m, flush=True))
+        result["label"] = args.label
+        _write_atomic(cell, json.dumps(result, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else o))
+        print(f"[check] {cell.name}: {time.time() - t0:.0f}s", flush=True)
+    _write_atomic(out.parent / "reference_check.md", table(out, {"accuracy": args.tolerance}))
+    print(f"[check] wrote {out.parent / 'reference_check.md'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

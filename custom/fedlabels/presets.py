@@ -1,0 +1,72 @@
+"""Each paper's protocol as a named preset: one MONAI config override file per bundle.
+
+A preset is ``bundles/<bundle>/configs/protocols/<name>.json``, merged over the
+bundle's ``configs/train.json`` the way MONAI merges config files (keys with
+``#`` reach into nested entries), so ``python -m monai.bundle run --config_file
+"['configs/train.json','configs/protocols/isofed.json']"`` trains with it too.
+Besides the bundle keys (input size and intensity scaling, augmentations,
+network, batch size) it holds a ``federated`` section (rounds, local epochs,
+the client's optimizer and whether it is re-created every round) and a
+``sources`` section saying where each value comes from (the paper, its released
+code, or a stated choice); docs/methods.md lists them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# preset -> the bundle that holds it (the paper's network)
+PRESETS = {"isofed": "medmnist_cnn", "fedmix": "lesion_unet"}
+# what a preset's federated.client section may set (every ClientRule takes these)
+CLIENT_KEYS = ("optimizer", "lr", "weight_decay", "reset_optimizer")
+
+
+@dataclass
+class Preset:
+    name: str
+    bundle: Path
+    path: Path
+    rounds: int
+    local_epochs: int
+    client: dict = field(default_factory=dict)
+    batch_size: int | None = None
+    sources: dict = field(default_factory=dict)
+
+
+def preset_file(bundle, name: str) -> Path:
+    return Path(bundle) / "configs" / "protocols" / f"{name}.json"
+
+
+def load(name: str, bundle=None) -> Preset:
+    """The preset ``name`` (of ``bundle``, else of its paper's bundle), checked: one error naming file and field."""
+    from .bundle import bundle_path
+
+    if bundle is None:
+        if name not in PRESETS:
+            raise ValueError(f"--protocol {name!r}: unknown protocol; presets: {sorted(PRESETS)}")
+        bundle = PRESETS[name]
+    bundle = bundle_path(bundle)
+    path = preset_file(bundle, name)
+    if not path.is_file():
+        have = sorted(p.stem for p in (bundle / "configs" / "protocols").glob("*.json"))
+        raise ValueError(f"--protocol {name!r}: bundle {bundle.name} has no {path.relative_to(bundle)} "
+                         f"(its presets: {have or 'none'})")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    fed = data.get("federated")
+    if not isinstance(fed, dict):
+        raise ValueError(f"{path}: field 'federated': expected an object with rounds, local_epochs and client")
+    for key in ("rounds", "local_epochs"):
+        if not isinstance(fed.get(key), int) or fed[key] < 1:
+            raise ValueError(f"{path}: field 'federated.{key}': expected a positive integer, got {fed.get(key)!r}")
+    client = fed.get("client", {})
+    unknown = sorted(set(client) - set(CLIENT_KEYS))
+    if unknown:
+        raise ValueError(f"{path}: field 'federated.client': unknown key(s) {unknown}; allowed: {list(CLIENT_KEYS)}")
+    batch = data.get("batch_size")
+    return Preset(name, bundle, path, fed["rounds"], fed["local_epochs"], dict(client),
+                  batch if isinstance(batch, int) else None, dict(data.get("sources", {})))
