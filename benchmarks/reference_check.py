@@ -83,15 +83,31 @@ def project_cell(protocol: str, data: Path, seed: int, rounds: int, eval_rounds:
 
 
 def compare(protocol, data: Path, seed: int, rounds: int, eval_rounds: list, work: Path, reference_scaling=None,
-            config=None, log=print) -> dict:
-    """One split: the project's cell and the reference's, side by side, one after the other in this process."""
+            config=None, log=print, reference_run=None) -> dict:
+    """One split: the project's cell and the reference's, side by side, one after the other in this process
+    (``reference_run``: an earlier reference result of the same split and settings, reused)."""
     settings = reference_settings(protocol)
     if reference_scaling:
         settings["scaling"] = reference_scaling
     proj = project_cell(protocol, data, seed, rounds, eval_rounds, work, config=config, log=log)
-    ref = reference.run(data, rounds, set(eval_rounds), seed=seed, log=lambda m: log(m), **settings)
+    ref = reference_run or reference.run(data, rounds, set(eval_rounds), seed=seed, log=lambda m: log(m), **settings)
     return {"protocol": protocol, "data": str(data), "seed": seed, "rounds": rounds, "reference": settings,
             "project": proj, "reference_run": ref}
+
+
+def problems(result: dict, tolerance: float, metric: str = "accuracy") -> list:
+    """What fails the check at the last eval round: the project predicting fewer classes than the reference,
+    or its metric more than ``tolerance`` from the reference's. Empty = passed."""
+    last = max(result["project"]["metrics"])
+    p, q = result["project"]["metrics"][last], result["reference_run"]["metrics"][last]
+    out = []
+    if p["classes_predicted"] < q["classes_predicted"]:
+        out.append(f"round {last}: the project predicts {p['classes_predicted']} class(es), the reference "
+                   f"{q['classes_predicted']}")
+    if abs(p[metric] - q[metric]) > tolerance:
+        out.append(f"round {last}: project {metric} {p[metric]:.3f} vs reference {q[metric]:.3f} "
+                   f"(tolerance {tolerance})")
+    return out
 
 
 def _write_atomic(path: Path, text: str) -> None:
