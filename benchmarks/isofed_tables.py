@@ -108,6 +108,8 @@ def bench(args, run) -> int:
     cmd = ["fedlabels", "bench", "--data", str(data_dir(args.out, ds, gamma, labeled)), "--bundle", "medmnist_cnn",
            "--methods", ",".join(methods), "--seeds", ",".join(map(str, seeds)), "--rounds", str(args.rounds),
            "--local-epochs", "1", "--out", str(args.out / "runs" / name)]
+    if args.protocol:  # the preset: input scaling, augmentation, optimizer (rounds stay --rounds)
+        cmd += ["--protocol", args.protocol, "--eval-rounds", ",".join(str(r) for r in args.eval_rounds)]
     log = args.out / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -155,7 +157,7 @@ def glance(args, values) -> list:
     """Accuracy only, one row per (dataset, gamma, L:U): ours / paper; the best labeled site alone."""
     cols = [UB] + METHODS
     lines = ["## Accuracy at a glance (ours / paper; mean ± sd over seeds; collapsed = predicts one class)", "",
-             "| dataset | gamma | L:U | " + " | ".join(LABELS[m] for m in cols) + " | best labeled site alone |",
+             "| dataset | gamma | L:U | " + " | ".join(LABELS[m] for m in cols) + " | best labeled site alone (chosen on test) |",
              "|---|---|---|" + "---|" * (len(cols) + 1)]
     for ds in args.datasets:
         for gamma in args.gammas:
@@ -228,12 +230,15 @@ def main(argv=None):
     p.add_argument("--seeds", default="0")
     p.add_argument("--seeds-13", default="0,1,2", help="seeds of the L:U = 1:3 rows")
     p.add_argument("--labeled", default="1,3,2", help="which L (labeled sites of 4) to run, in this order")
+    p.add_argument("--protocol", default="isofed", help="the preset every row trains with ('' = the bundle's defaults)")
+    p.add_argument("--eval-rounds", default="5,10,20", help="rounds scored (with --protocol), the curve")
     p.add_argument("--jobs", type=int, default=1, help="bench processes at once (one torch thread each when > 1)")
     p.add_argument("--table-only", action="store_true", help="only assemble TABLE.md from finished cells")
     args = p.parse_args(argv)
     args.datasets = [d for d in args.datasets.split(",") if d]
     args.gammas = [float(g) for g in args.gammas.split(",") if g]
     args.seeds, args.seeds_13, args.labeled = _seeds(args.seeds), _seeds(args.seeds_13), _seeds(args.labeled)
+    args.eval_rounds = sorted(r for r in _seeds(args.eval_rounds) if r <= args.rounds) or [args.rounds]
     args.out = args.out.resolve()
     args.src = args.src.resolve()
     args.threads = 1 if args.jobs > 1 else int(os.environ.get("OMP_NUM_THREADS", "2"))

@@ -46,8 +46,12 @@ def reference_settings(protocol: str) -> dict:
         raise ValueError(f"{p.path}: the reference loop implements a fresh Adam every round only")
     intensity = raw.get("intensity", {})
     fixed = intensity.get("_target_") == "ScaleIntensityRanged" and (intensity.get("b_min"), intensity.get("b_max")) == (-1.0, 1.0)
-    flips = [t.get("_target_") for t in raw.get("train#random_transforms", [])]
-    return {"scaling": "fixed" if fixed else "minmax", "augment": "hflip" if flips == ["RandFlipd"] else "dihedral",
+    augment = {(): "none", ("fedlabels.bundle.data.RandMirrord",): "hflip", ("RandFlipd",): "hflip",
+               ("fedlabels.bundle.data.RandDihedrald",): "dihedral"}
+    flips = tuple(t.get("_target_") for t in raw.get("train#random_transforms", []))
+    if flips not in augment:
+        raise ValueError(f"{p.path}: field 'train#random_transforms': the reference loop has no equivalent of {flips}")
+    return {"scaling": "fixed" if fixed else "minmax", "augment": augment[flips],
             "lr": p.client.get("lr", 1e-3), "batch_size": p.batch_size or 64, "epochs": p.local_epochs}
 
 
