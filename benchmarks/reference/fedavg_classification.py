@@ -67,17 +67,27 @@ def hflip(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return out
 
 
-def dihedral(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Each image turned by a random multiple of 90 degrees, then flipped with probability 1/2."""
+def dihedral_pair(x: torch.Tensor, y: torch.Tensor | None, gen: torch.Generator):
+    """Each image (and its mask ``y``) turned by a random multiple of 90 degrees, then flipped with probability 1/2."""
     k = torch.randint(0, 4, (len(x),), generator=gen)
     flip = torch.randint(0, 2, (len(x),), generator=gen).bool()
-    out = x.clone()
-    for turns in range(4):
-        sel = k == turns
-        if sel.any():
-            out[sel] = torch.rot90(x[sel], turns, dims=(2, 3))
-    out[flip] = torch.flip(out[flip], dims=(3,))
-    return out
+    outs = []
+    for t in (x, y):
+        if t is None:
+            outs.append(None)
+            continue
+        out = t.clone()
+        for turns in range(1, 4):
+            sel = k == turns
+            if sel.any():
+                out[sel] = torch.rot90(t[sel], turns, dims=(2, 3))
+        out[flip] = torch.flip(out[flip], dims=(3,))
+        outs.append(out)
+    return outs
+
+
+def dihedral(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    return dihedral_pair(x, None, gen)[0]
 
 
 @torch.no_grad()

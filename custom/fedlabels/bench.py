@@ -156,6 +156,7 @@ class Plan:
     network: dict = field(default_factory=dict)    # network_def overrides of every row (e.g. widen_factor)
     image_size: int | None = None                 # the bundle's input size (None: the bundle's own)
     protocol: str | None = None                   # a preset (fedlabels.presets) every row trains with
+    overrides: dict = field(default_factory=dict)  # further bundle config overrides (analysis scripts)
     options: dict = field(default_factory=dict)   # method -> {"client": {...}, "server": {...}}
     floor_client: dict = field(default_factory=dict)
     family: str | None = None                     # embedded family
@@ -167,7 +168,7 @@ class Plan:
     def config(self) -> dict | None:
         """Bundle config overrides of every row (the preset's override file, then the input size)."""
         out = {**({"protocol": self.protocol} if self.protocol else {}),
-               **({"image_size": self.image_size} if self.image_size else {})}
+               **({"image_size": self.image_size} if self.image_size else {}), **self.overrides}
         return out or None
 
     @property
