@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # preset -> the bundle that holds it (the paper's network)
-PRESETS = {"isofed": "medmnist_cnn", "fedmix": "lesion_unet"}
+PRESETS = {"isofed": "medmnist_cnn", "fedmix": "lesion_unet", "surgical": "cxr_densenet121",
+           "fedpsl": "cxr_densenet121", "fedmlp": "cxr_resnet18"}
 # what a preset's federated.client section may set (every ClientRule takes these)
 CLIENT_KEYS = ("optimizer", "lr", "weight_decay", "reset_optimizer")
 

@@ -1,0 +1,117 @@
+"""Protocol presets (fedlabels.presets): override files merged the MONAI way, read by bench, jobs and export."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fedlabels import bench, cli, presets
+from fedlabels.bundle import read
+from fedlabels.config import ConfigError, RunConfig
+
+# what a preset sets that is not a bundle key
+META = {"_comment", "federated", "sources"}
+
+
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+def test_every_value_a_preset_sets_names_its_source(name):
+    p = presets.load(name)
+    raw = json.loads(p.path.read_text())
+    keys = set(raw) - META
+    keys |= {f"federated.{k}" for k in ("rounds", "local_epochs")}
+    keys |= {f"federated.client.{k}" for k in raw["federated"]["client"] if k != "weight_decay" or raw["federated"]["client"][k]}
+    missing = sorted(k for k in keys if k not in p.sources and k not in ("lr",))  # lr: the bundle's copy of client.lr
+    assert missing == [], f"{p.path}: no source for {missing}"
+    assert raw.get("lr", p.client["lr"]) == p.client["lr"]  # the bundle's own lr agrees with the client's
+    # the merged config parses and builds its transforms and network
+    parser = read(p.bundle, "", protocol=name, class_names=["a", "b"])
+    parser.get_parsed_content("train#preprocessing", instantiate=True)
+    parser.get_parsed_content("network_def", instantiate=True)
+
+
+def test_read_merges_the_preset_over_train_json():
+    default = read("cxr_densenet121", "", class_names=["a"])
+    fedpsl = read("cxr_densenet121", "", protocol="fedpsl", class_names=["a"])
+    assert default["intensity"]["_target_"] == "ScaleIntensityd"
+    assert fedpsl["intensity"]["_target_"] == "NormalizeIntensityd" and fedpsl["image_size"] == 224
+    tf = fedpsl.get_parsed_content("train#preprocessing", instantiate=True)
+    assert type(tf.transforms[3]).__name__ == "NormalizeIntensityd"
+    # the keys a preset does not set stay the bundle's
+    assert fedpsl["train"]["strong_random_transforms"] == default["train"]["strong_random_transforms"]
+
+
+def test_isofed_preset_scales_the_fixed_0_255_range_to_minus_one_one():
+    tf = read("medmnist_cnn", "", protocol="isofed", class_names=["a"]).get_parsed_content("intensity")
+    out = tf({"image": torch.tensor([[[0.0, 127.5, 255.0]]])})["image"]
+    assert torch.allclose(torch.as_tensor(out), torch.tensor([[[-1.0, 0.0, 1.0]]]))
+    # not per image: an image spanning 100-150 keeps its place in the range
+    out = tf({"image": torch.tensor([[[100.0, 150.0]]])})["image"]
+    assert torch.allclose(torch.as_tensor(out), torch.tensor([[[100 / 127.5 - 1, 150 / 127.5 - 1]]]))
+
+
+def test_bench_protocol_sets_defaults_that_explicit_options_override():
+    parser = cli.build_parser(flare=False)
+    base = ["bench", "--data", "d", "--methods", "fedavg,isofed", "--protocol", "isofed", "--out", "unused"]
+    plan = bench.make_plan(parser.parse_args(base))
+    assert plan.bundle.name == "medmnist_cnn" and plan.rounds == 100 and plan.local_epochs == 1
+    assert plan.options["fedavg"]["client"] == {"optimizer": "adam", "lr": 0.001, "weight_decay": 0.0,
+                                                "reset_optimizer": True, "epochs": 1}
+    assert plan.floor_client == {"optimizer": "adam", "lr": 0.001, "weight_decay": 0.0, "reset_optimizer": True}
+    assert plan.config == {"protocol": "isofed"}
+    plan = bench.make_plan(parser.parse_args(base + ["--rounds", "7", "--local-epochs", "2", "--opt", "all:lr=0.01",
+                                                     "--image-size", "32"]))
+    assert plan.rounds == 7 and plan.options["isofed"]["client"]["epochs"] == 2
+    assert plan.options["isofed"]["client"]["lr"] == 0.01 and plan.floor_client["lr"] == 0.01
+    assert plan.config == {"protocol": "isofed", "image_size": 32}
+    plan.datasets[0] = "d"
+    cell = bench.cell_config(plan, bench.Cell("fedavg", 0))  # a finished cell of another protocol is not reused
+    assert cell["protocol"] == "isofed"
+
+
+def test_bench_protocol_errors_name_the_problem(tmp_path):
+    parser = cli.build_parser(flare=False)
+    with pytest.raises(ValueError, match="unknown protocol"):
+        bench.make_plan(parser.parse_args(["bench", "--data", "d", "--methods", "fedavg", "--protocol", "nope",
+                                           "--out", "u"]))
+    with pytest.raises(ValueError, match="has no configs/protocols/isofed.json"):
+        bench.make_plan(parser.parse_args(["bench", "--data", "d", "--methods", "fedavg", "--protocol", "isofed",
+                                           "--bundle", "lesion_unet", "--out", "u"]))
+    with pytest.raises(ValueError, match="--bundle and --rounds are required"):
+        bench.make_plan(parser.parse_args(["bench", "--data", "d", "--methods", "fedavg", "--out", "u"]))
+    # a malformed preset file: one error naming the file and the field
+    bundle = tmp_path / "b"
+    (bundle / "configs" / "protocols").mkdir(parents=True)
+    (bundle / "configs" / "metadata.json").write_text("{}")
+    bad = bundle / "configs" / "protocols" / "x.json"
+    bad.write_text(json.dumps({"federated": {"rounds": 0, "local_epochs": 1}}))
+    with pytest.raises(ValueError, match=r"x.json: field 'federated.rounds'"):
+        presets.load("x", bundle)
+    bad.write_text(json.dumps({"federated": {"rounds": 1, "local_epochs": 1, "client": {"momentum": 0.9}}}))
+    with pytest.raises(ValueError, match=r"x.json: field 'federated.client': unknown key"):
+        presets.load("x", bundle)
+
+
+def test_run_config_carries_the_protocol_to_every_site():
+    cfg = RunConfig(method="fedavg", bundle="medmnist_cnn", data={"protocol": "isofed", "image_size": 28})
+    cfg.validate("client")
+    assert cfg.bundle_config() == {"protocol": "isofed", "image_size": 28}
+    with pytest.raises(ConfigError, match="data.protocol"):
+        RunConfig(method="fedavg", bundle="medmnist_cnn", data={"protocol": 3}).validate("client")
+
+
+def test_rand_mirror_is_monai_rand_flip_without_metadata():
+    from monai.transforms import RandFlipd
+
+    from fedlabels.bundle.data import RandMirrord
+
+    x = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+    for axis in (0, 1):
+        ours = RandMirrord(["image"], prob=1.0, spatial_axis=axis)({"image": x})["image"]
+        theirs = RandFlipd(["image"], prob=1.0, spatial_axis=axis)({"image": x})["image"]
+        assert torch.equal(ours, torch.as_tensor(theirs))
+        ours = RandMirrord(["image"], prob=1.0, spatial_axis=axis)({"image": x.numpy()})["image"]
+        assert np.array_equal(ours, np.asarray(theirs))
+    assert torch.equal(RandMirrord(["image"], prob=0.0)({"image": x})["image"], x)
