@@ -223,6 +223,9 @@ def test_targets_fill_missing_entries_with_tags_and_mask_the_rest(cxr):
     naive.tags[:] = client.tags
     target, _ = naive.targets(labels, torch.tensor([0, 1]))
     assert (target[:, missing[1:]] == 0).all()  # without WPC an untagged missing entry is a negative
+    # ... and the weighting half of WPC goes too (Table 3's rows are cumulative), whatever logit_adjustment says
+    assert client.shift() is not None and naive.shift() is None
+    assert make_client(cxr, wpc=False, logit_adjustment=True)[1].shift() is None
 
 
 def test_prototypes_are_class_means_of_the_first_view_features_in_eval_mode(cxr):

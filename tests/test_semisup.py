@@ -283,6 +283,59 @@ def test_pretraining_lowers_the_information_maximization_loss():
         assert torch.equal(client.teacher.state_dict()[k], v)
 
 
+def _im_reference(start: dict, batches, lr, epochs):
+    """The pretraining by hand: Adam at ``lr`` on the information-maximisation loss of the weak views."""
+    ref = torch.nn.Linear(3, 2)
+    ref.load_state_dict(start)
+    opt = torch.optim.Adam(ref.parameters(), lr=lr)
+    for _ in range(epochs):
+        for b in batches:
+            loss = information_maximization(ref(b["image"]))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return ref.state_dict()
+
+
+@pytest.mark.parametrize("target", ["both", "teacher"])
+def test_pretraining_options_match_a_reference_loop(target):
+    """pretrain_lr sets the IM steps' lr; pretrain_target "teacher" adapts the teacher only."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    start = copy.deepcopy(net.state_dict())
+    batches = _batches(n=3)
+    client = SemiSupClient(net, _site(False, batches), pretrain=True, pretrain_epochs=2, pretrain_lr=0.05, lr=1e-4,
+                           pretrain_target=target)
+    client.begin_round(0, {})
+    expected = _im_reference(start, batches, lr=0.05, epochs=2)
+    for k, v in expected.items():
+        torch.testing.assert_close(client.teacher.state_dict()[k], v, atol=1e-6, rtol=0)
+        # the student: the adapted model ("both") or the received one ("teacher")
+        torch.testing.assert_close(net.state_dict()[k], v if target == "both" else start[k], atol=1e-6, rtol=0)
+    assert not torch.equal(expected["weight"], start["weight"])
+
+
+def test_pretraining_at_every_site_adapts_a_labeled_site_before_its_cross_entropy():
+    torch.manual_seed(0)
+    batches = [{**b, "label": torch.tensor([0, 1, 0, 1])} for b in _batches(n=2)]
+    for sites, adapted in (("unlabeled", False), ("all", True)):
+        net = torch.nn.Linear(3, 2)
+        start = copy.deepcopy(net.state_dict())
+        client = SemiSupClient(net, _site(True, batches), pretrain=True, pretrain_lr=0.05, pretrain_sites=sites)
+        client.begin_round(0, {})
+        expected = _im_reference(start, batches, lr=0.05, epochs=1) if adapted else start
+        for k, v in expected.items():
+            torch.testing.assert_close(net.state_dict()[k], v, atol=1e-6, rtol=0)
+        assert ("pretrain_loss" in client.round_stats) == adapted and client.teacher is None
+
+
+def test_pretraining_options_are_checked():
+    batches = _batches()
+    for bad in ({"pretrain_lr": 0}, {"pretrain_target": "student"}, {"pretrain_sites": "some"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SemiSupClient(torch.nn.Linear(3, 2), _site(False, batches), pretrain=True, **bad)
+
+
 def test_non_finite_teacher_output_stops_the_site_round_and_the_round_completes():
     torch.manual_seed(0)
     bad_net, good_net = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)

@@ -47,9 +47,9 @@ reproduced: its stage 2 trains on the first view only and averages the BCE
 over the labeled entries, and its stage 1 divides by batch x annotated
 classes; here both stages use both views and divide by batch x C.
 Table 3's ablation switches: ``mld`` (server: no prototypes, no tags),
-``wpc`` (False: the untagged missing entries count as negatives, as in
-FedAvg's loss, still with the logit adjustment unless ``logit_adjustment`` is
-off, and still under the consistency term when it is on),
+``wpc`` (False: both halves of WPC go, as in the paper's cumulative rows:
+the untagged missing entries count as negatives, as in FedAvg's loss, and
+there is no logit adjustment; the consistency term stays when it is on),
 ``warmup_consistency`` / ``stage2_consistency`` (CR) and
 ``adaptive_threshold`` (ST).
 
@@ -176,7 +176,10 @@ class FedMLPClient(HeadMetaMixin, ClientRule):
                              f"{degree_low}, {degree_high}")
         if consistency_weight < 0:
             raise ValueError(f"consistency_weight must be >= 0, got {consistency_weight}")
-        self.logit_adjustment, self.wpc = bool(logit_adjustment), bool(wpc)
+        # Table 3's rows are cumulative: "w/o WPC" drops both halves of WPC, the partial masking and the
+        # weighting (logit adjustment), not the masking alone.
+        self.wpc = bool(wpc)
+        self.logit_adjustment = bool(logit_adjustment) and self.wpc
         self.consistency = {1: bool(warmup_consistency), 2: bool(stage2_consistency)}
         self.consistency_weight = float(consistency_weight)
         self.low, self.high, self.two_views = float(degree_low), float(degree_high), bool(two_views)

@@ -32,13 +32,15 @@ as every method here; nothing else.
 
 from __future__ import annotations
 
+import copy
 
 import numpy as np
 import torch
 
 from ..losses import consistency_mse, information_maximization, masked_cross_entropy, sharpen
 from .aggregate import average_keys, distance_weights
-from .base import START_GLOBAL, START_PREVIOUS, ClientRule, ServerRule, Step, StopRound, ema_update, frozen_copy
+from .base import (START_GLOBAL, START_PREVIOUS, ClientRule, ServerRule, Step, StopRound, ema_update, frozen_copy,
+                   make_optimizer)
 
 
 class SupervisedClient(ClientRule):
@@ -61,13 +63,20 @@ class SemiSupClient(SupervisedClient):
 
     ``pretrain`` (IsoFed Sec. 2.4): before the mean teacher, ``pretrain_epochs``
     passes over the weak views minimising the information-maximisation loss,
-    all parameters, a fresh optimizer of the same kind and lr each round.
+    all parameters, a fresh optimizer of the same kind each round, at
+    ``pretrain_lr`` (None: the client's lr). The paper leaves open what the
+    adapted model initialises and where it runs; both are options:
+    ``pretrain_target`` "both" (default: the adapted model starts the teacher
+    and the student) or "teacher" (the student starts from the received model);
+    ``pretrain_sites`` "unlabeled" (default: the sites that have a teacher) or
+    "all" (the abstract and Fig. 2: every client; a labeled site then trains
+    its cross-entropy from the adapted model).
 
     A non-finite teacher or student output stops the site's round with the reason.
     """
 
     def __init__(self, net, ctx, *, temperature=0.5, ema_alpha=0.001, consistency_weight=1.0, pretrain=False,
-                 pretrain_epochs=1, **kw):
+                 pretrain_epochs=1, pretrain_lr=None, pretrain_target="both", pretrain_sites="unlabeled", **kw):
         super().__init__(net, ctx, **kw)
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -76,7 +85,15 @@ class SemiSupClient(SupervisedClient):
         if pretrain and int(pretrain_epochs) < 1:
             raise ValueError(f"pretrain_epochs must be >= 1 with pretrain on, got {pretrain_epochs}")
         self.temperature, self.ema_alpha = float(temperature), float(ema_alpha)
+        if pretrain_lr is not None and not float(pretrain_lr) > 0:
+            raise ValueError(f"pretrain_lr must be > 0 (or None: the client's lr), got {pretrain_lr}")
+        if pretrain_target not in ("both", "teacher"):
+            raise ValueError(f"pretrain_target must be 'both' or 'teacher', got {pretrain_target!r}")
+        if pretrain_sites not in ("unlabeled", "all"):
+            raise ValueError(f"pretrain_sites must be 'unlabeled' or 'all', got {pretrain_sites!r}")
         self.consistency_weight, self.pretrain, self.pretrain_epochs = float(consistency_weight), bool(pretrain), int(pretrain_epochs)
+        self.pretrain_lr = None if pretrain_lr is None else float(pretrain_lr)
+        self.pretrain_target, self.pretrain_sites = pretrain_target, pretrain_sites
         self.labeled = bool(ctx.summary.get("labeled"))
         _strong_views(ctx, not self.labeled)  # a labeled site trains on the weak view only
         self.teacher = None
@@ -84,21 +101,30 @@ class SemiSupClient(SupervisedClient):
 
     def begin_round(self, round, extras):
         self.round_stats = {}
+        adapts = self.pretrain and (not self.labeled or self.pretrain_sites == "all")
         if self.labeled:
+            if adapts:
+                self.round_stats["pretrain_loss"] = self.adapt(self.net)
             return
-        if self.pretrain:
-            self.round_stats["pretrain_loss"] = self.adapt()
+        if adapts and self.pretrain_target == "teacher":  # adapt a copy: the student starts from the received model
+            adapted = copy.deepcopy(self.net)
+            self.round_stats["pretrain_loss"] = self.adapt(adapted)
+            self.teacher = frozen_copy(adapted)
+            return
+        if adapts:
+            self.round_stats["pretrain_loss"] = self.adapt(self.net)
         self.teacher = frozen_copy(self.net)
 
-    def adapt(self) -> float:
-        """Client-adaptive pretraining: the information-maximisation loss on local images."""
-        opt = self.make_optimizer(self.net.parameters())
+    def adapt(self, net) -> float:
+        """Client-adaptive pretraining of ``net``: the information-maximisation loss on local images (weak views)."""
+        opt = make_optimizer(self.optimizer_name, [p for p in net.parameters() if p.requires_grad],
+                             self.pretrain_lr or self.lr, self.weight_decay)
         losses = []
-        _strong_views(self.ctx, False)
+        strong_was = _strong_views(self.ctx, False)
         try:
             for _ in range(self.pretrain_epochs):
                 for batch in self.ctx.train:
-                    logits = self.net(batch["image"].to(self.device))
+                    logits = net(batch["image"].to(self.device))
                     _check(logits, "pretraining output")
                     loss = information_maximization(logits)
                     opt.zero_grad(set_to_none=True)
@@ -106,7 +132,7 @@ class SemiSupClient(SupervisedClient):
                     opt.step()
                     losses.append(float(loss.detach()))
         finally:
-            _strong_views(self.ctx, True)
+            _strong_views(self.ctx, strong_was)
         return float(np.mean(losses)) if losses else float("nan")
 
     def train_step(self, batch):
@@ -134,11 +160,14 @@ class SemiSupClient(SupervisedClient):
         return super().make_update(n, {**metrics, **self.round_stats})
 
 
-def _strong_views(ctx, on: bool) -> None:
-    """Compute the strong view only where it is used (it costs as much as the training step on 28 px)."""
+def _strong_views(ctx, on: bool) -> bool:
+    """Compute the strong view only where it is used (it costs as much as the training step on 28 px);
+    returns the setting before."""
     dataset = getattr(ctx.train, "dataset", None)
+    before = bool(getattr(dataset, "strong_on", False))
     if hasattr(dataset, "strong_on"):
         dataset.strong_on = on
+    return before
 
 
 def _check(logits, what):
