@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -85,7 +86,24 @@ def project_cell(protocol: str, data: Path, seed: int, rounds: int, eval_rounds:
     plan.overrides = dict(config or {})  # e.g. a test switching the scaling back
     bench.prepare_data(plan)
     scorer = bench.Scorer(plan.bundle, plan.datasets[seed], plan.network, plan.config)
-    out = bench.run_federated_inprocess(plan, bench.Cell("oracle:fedavg", seed), scorer, lambda m: None)
+    # Time the sites' scoring of the received model (best-model selection, which the reference does not do)
+    # apart from their training.
+    from fedlabels import site
+
+    validating, validate = [0.0], site.validate_task
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return validate(*a, **kw)
+        finally:
+            validating[0] += time.perf_counter() - t0
+
+    site.validate_task = timed
+    try:
+        out = bench.run_federated_inprocess(plan, bench.Cell("oracle:fedavg", seed), scorer, lambda m: None)
+    finally:
+        site.validate_task = validate
     metrics = {}
     for r in out["rows"]:
         if r["model"] != "last" or r["group"] != bench.POOLED:
@@ -97,7 +115,8 @@ def project_cell(protocol: str, data: Path, seed: int, rounds: int, eval_rounds:
             m["classes_predicted"] = m.get("classes_predicted", 0) + int(bool(r["value"]))
     for r, m in metrics.items():
         log(f"[project] seed {seed} round {r}: {m}")
-    return {"metrics": metrics, "seconds_per_round": float(np.mean([rec["seconds"] for rec in out["records"]]))}
+    return {"metrics": metrics, "seconds_per_round": float(np.mean([rec["seconds"] for rec in out["records"]])),
+            "validation_seconds_per_round": validating[0] / rounds}
 
 
 def compare(protocol, data: Path, seed: int, rounds: int, eval_rounds: list, work: Path, reference_scaling=None,
@@ -156,7 +175,8 @@ def table(out: Path, tolerance: dict = TOLERANCE) -> str:
              "seed), with the preset's settings; the project side is `fedlabels bench`'s `oracle:fedavg` row "
              "(the in-process round engine, the MONAI bundle's transforms), the reference side is "
              "`benchmarks/reference/` (plain PyTorch, Pillow, no MONAI or fedlabels code). Metric: the last "
-             "model's test metric, mean ± sd over splits; `classes` = classes predicted for at least one test "
+             "model's test metric, mean ± sd over splits; `difference` = project - reference per split, mean ± sd "
+             "(paired: both sides train on the same split); `classes` = classes predicted for at least one test "
              "case, per split. Seconds per round: the project's includes scoring the received model on each "
              "site's validation data (best-model selection); the reference trains only.", ""]
     for (label, scaling), cs in sorted(groups.items()):
@@ -164,11 +184,20 @@ def table(out: Path, tolerance: dict = TOLERANCE) -> str:
         tol = tolerance[metric]
         rounds = sorted({int(r) for c in cs for r in c["project"]["metrics"]})
         seeds = [c["seed"] for c in cs]
-        ratio = [c["project"]["seconds_per_round"] / c["reference_run"]["seconds_per_round"] for c in cs]
+        proj_s = [c["project"]["seconds_per_round"] for c in cs]
+        val_s = [c["project"].get("validation_seconds_per_round") for c in cs]
+        ref_s = [c["reference_run"]["seconds_per_round"] for c in cs]
+        timing = (f"Seconds per round (mean over splits): project {np.mean(proj_s):.2f}, reference "
+                  f"{np.mean(ref_s):.2f} (project / reference {np.mean(proj_s) / np.mean(ref_s):.2f}x)")
+        if None not in val_s:
+            train_s = [p - v for p, v in zip(proj_s, val_s)]
+            timing += (f"; of the project's, {np.mean(val_s):.2f} s score the received model on the sites' "
+                       f"validation data, and training alone is {np.mean(train_s) / np.mean(ref_s):.2f}x the reference")
         lines += [f"## {label} (protocol `{cs[0]['protocol']}`, reference scaling `{scaling}`, seeds {seeds})", "",
-                  f"Seconds per round: project {np.mean([c['project']['seconds_per_round'] for c in cs]):.2f}, "
-                  f"reference {np.mean([c['reference_run']['seconds_per_round'] for c in cs]):.2f} "
-                  f"(project / reference {np.mean(ratio):.2f}x).", "",
+                  timing + ". Load average (1 min) at each cell's start and end: "
+                  + ", ".join(f"{c['load'][0]:.1f}-{c['load'][1]:.1f}" if c.get("load") else "not recorded" for c in cs)
+                  + f", on {os.cpu_count()} cores (both sides of a cell ran one after the other, under the same load).",
+                  "",
                   f"| round | project {metric} | reference {metric} | difference | within {100 * tol:.0f} points |"
                   + (" project AUROC | reference AUROC | classes (project / reference) |" if metric == "accuracy" else ""),
                   "|---|---|---|---|---|" + ("---|---|---|" if metric == "accuracy" else "")]
@@ -176,8 +205,11 @@ def table(out: Path, tolerance: dict = TOLERANCE) -> str:
             p = [c["project"]["metrics"].get(str(r), {}) for c in cs]
             q = [c["reference_run"]["metrics"].get(str(r), {}) for c in cs]
             pm, qm = [x.get(metric) for x in p], [x.get(metric) for x in q]
-            diff = float(np.mean(pm) - np.mean(qm))
-            row = f"| {r} | {_fmt(pm)} | {_fmt(qm)} | {100 * diff:+.1f} | {'yes' if abs(diff) <= tol + 1e-12 else 'NO'} |"
+            diffs = [a - b for a, b in zip(pm, qm)]  # paired: the same split on both sides
+            diff = float(np.mean(diffs))
+            spread = f" ± {100 * float(np.std(diffs, ddof=1)):.1f}" if len(diffs) > 1 else ""
+            row = (f"| {r} | {_fmt(pm)} | {_fmt(qm)} | {100 * diff:+.1f}{spread} "
+                   f"| {'yes' if abs(diff) <= tol + 1e-12 else 'NO'} |")
             if metric == "accuracy":
                 row += (f" {_fmt([x.get('auroc') for x in p])} | {_fmt([x.get('auroc') for x in q])} "
                         f"| {','.join(str(x.get('classes_predicted')) for x in p)} / "
@@ -217,10 +249,12 @@ def main(argv=None) -> None:
             continue
         t0 = time.time()
         data = Path(args.data.replace("{seed}", str(seed)))
+        load_before = os.getloadavg()[0]
         result = compare(args.protocol, data, seed, args.rounds, eval_rounds, out / "work" / tag,
                          reference_scaling=args.reference_scaling, image_size=args.image_size,
                          log=lambda m: print(m, flush=True))
         result["label"] = args.label
+        result["load"] = (load_before, os.getloadavg()[0])
         _write_atomic(cell, json.dumps(result, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else o))
         print(f"[check] {cell.name}: {time.time() - t0:.0f}s", flush=True)
     _write_atomic(out.parent / "reference_check.md", table(out))
