@@ -2,6 +2,7 @@
 
 * ``data``      -- scenario folders as MONAI datalists, and the bundles' own transforms;
 * ``handlers``  -- the Ignite handlers the bundle configs use;
+* ``dicom``     -- DICOM inputs by content, and DICOM SEG / structured reports out;
 * ``workflows`` -- train / evaluate / export a bundle (``monai.bundle`` underneath).
 
 Every caller (the CLI, a FLARE site, the FLARE server's persistor, the

@@ -252,6 +252,7 @@ def model_card(meta: dict) -> str:
     prov = meta.get("provenance", {})
     lines += ["## Training", ""]
     for key, label in (("method", "Federated method"), ("rounds", "Rounds completed"), ("checkpoint_kind", "Model"),
+                       ("model_after_rounds", "The model after round(s)"),
                        ("site_state", "Batch norm of one site (FedBN), from"), ("scenario", "Training scenario")):
         value = prov.get(key, training.get(key))
         if value is not None:
@@ -295,8 +296,35 @@ def model_card(meta: dict) -> str:
     lines += ["", "## Known limitations", ""]
     lines += [f"- {line}" for line in limitations(meta)] or ["- none found in the numbers above."]
     lines += ["- Trained and evaluated on the data named above only; check it on your own images before use.", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + running(meta))
+
+
+def running(meta: dict) -> list:
+    """The model card's "Running it": both inference paths, and what a DICOM result claims."""
+    segmentation = meta.get("training", {}).get("task") == "segmentation" or \
+        meta.get("network_data_format", {}).get("outputs", {}).get("pred", {}).get("format") != "classes"
+    files = ("a mask per image (PNG for PNG/JPEG, NIfTI for NIfTI and DICOM)" if segmentation else
+             "`predictions.csv` (per class the probability and the decision)")
+    dicom = ("`dicom/seg_<series UID>.dcm`: a DICOM SEG per series (per image without a frame of reference), "
+             "one segment per class, referencing the source images; non-DICOM inputs keep their mask files"
+             if segmentation else
+             "`dicom/sr_<study UID>.dcm`: a DICOM structured report (TID 1500) per study, with per image and class "
+             "the probability and the decision, each referencing its image; `predictions.csv` keeps every input")
+    return ["## Running it", "",
+            "```bash", "python -m monai.bundle run --config_file configs/inference.json --bundle_root . \\",
+            "    --dataset_dir <images> --output_dir <out>", "```", "",
+            f"writes {files}. DICOM in, DICOM out:", "",
+            "```bash",
+            "python -m monai.bundle run --config_file \"['configs/inference.json','configs/inference_dicom.json']\" \\",
+            "    --bundle_root . --dataset_dir <DICOM folder> --output_dir <out>", "```", "",
+            f"adds {dicom}. DICOM files are found by content (no `.dcm` needed); the rescale and the first "
+            "window or VOI LUT are applied, MONOCHROME1 is inverted.", "",
+            "What a DICOM result claims: this model's output for that image (the algorithm's name, version, "
+            "federated method and rounds are in it), decided at the thresholds above, which were chosen on the "
+            "training sites' validation cases, not on your hospital's (multi-class: the most probable class). "
+            "What it does not claim: a diagnosis. It is marked preliminary and unverified (no person has read "
+            "it), and its use is bounded by the intended use above.", ""]
 
 
 __all__ = ["evidence", "choose_thresholds", "youden_threshold", "dice_threshold", "test_report", "auroc_ci",
-           "proportion", "mean_ci", "label_table", "model_card", "limitations"]
+           "proportion", "mean_ci", "label_table", "model_card", "limitations", "running"]

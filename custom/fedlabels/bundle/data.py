@@ -7,7 +7,8 @@ The bundle configs call these functions, so a bundle trained with
 * ``datalist(dataset_dir, site, split, oracle)`` -- ``[{"image", "label"}]``
   with absolute paths, for one site, several, or all sites pooled
   (centralised training); ``split="test"`` is the held-out test set.
-* ``image_files(path)`` -- the inputs of ``inference.json``.
+* ``image_files(path)`` -- the inputs of ``inference.json``: images by suffix, DICOM
+  files by content (``bundle.dicom.is_dicom``: a series' files often have no suffix).
 * ``ReadableImages`` -- the inference dataset: an input that cannot be read
   or converted is named in one log line and left out; the rest go on.
 * ``MaskLabeld`` -- a segmentation label (mask file, box, image-level tag or none)
@@ -15,9 +16,12 @@ The bundle configs call these functions, so a bundle trained with
 * ``MaskFromProbabilitiesd`` -- per-class probabilities to one mask (a label map
   for several classes), each class at its own decision threshold;
 * ``SaveMaskd`` -- writes a predicted mask next to its kind of input: PNG for
-  PNG/JPEG, NIfTI with the source geometry for NIfTI and DICOM.
+  PNG/JPEG, NIfTI with the source geometry for NIfTI and DICOM (or, with
+  ``configs/inference_dicom.json``, nothing for DICOM: ``bundle.dicom.DicomSegWriter``
+  writes a DICOM SEG).
 * ``DicomPhotometricd`` -- a grey DICOM stored MONOCHROME1 (0 = white) is
-  inverted to the MONOCHROME2 convention every other input follows.
+  inverted to the MONOCHROME2 convention every other input follows (bundles
+  exported before ``bundle.dicom.DicomReader``, which does it while reading).
 * ``Ensure2DChannelsd`` -- makes any 2D input (grey, RGB, RGBA, a 2D NIfTI
   stored as H x W x 1) the channel count a network expects.
 * ``RandDihedrald`` -- cheap random flip / rotate-by-90 for training.
@@ -158,10 +162,14 @@ def image_files(inputs) -> list:
     Returns ``[{"image": path}]`` sorted by path; fails with one message when
     nothing readable is found.
     """
+    from .dicom import is_dicom
+
     if isinstance(inputs, (str, os.PathLike)):
         path = Path(inputs).expanduser()
         if path.is_dir():
-            found = [p for p in glob.glob(str(path / "**" / "*"), recursive=True) if p.lower().endswith(INFERENCE_SUFFIXES)]
+            # DICOM by content too: files of a series are often named without a suffix (IM0001, 1.2.840...)
+            found = [p for p in glob.glob(str(path / "**" / "*"), recursive=True)
+                     if p.lower().endswith(INFERENCE_SUFFIXES) or (os.path.isfile(p) and is_dicom(p))]
         elif path.is_file():
             found = [str(path)]
         else:
@@ -172,7 +180,7 @@ def image_files(inputs) -> list:
         if missing:
             raise FileNotFoundError(f"input images not found: {missing[:5]}")
     if not found:
-        raise FileNotFoundError(f"{inputs}: no image files ({', '.join(INFERENCE_SUFFIXES)})")
+        raise FileNotFoundError(f"{inputs}: no image files ({', '.join(INFERENCE_SUFFIXES)}) and no DICOM files")
     return [{"image": str(Path(p).resolve())} for p in sorted(found)]
 
 
@@ -210,7 +218,8 @@ class ReadableImages(Dataset):
 def _photometric(path: str) -> str:
     import pydicom
 
-    return str(getattr(pydicom.dcmread(path, stop_before_pixels=True), "PhotometricInterpretation", "")).strip()
+    return str(getattr(pydicom.dcmread(path, stop_before_pixels=True, force=True), "PhotometricInterpretation",
+                       "")).strip()
 
 
 class DicomPhotometricd(MapTransform):
@@ -222,7 +231,10 @@ class DicomPhotometricd(MapTransform):
         d = dict(data)
         for key in self.key_iterator(d):
             img = d[key]
-            source = str((getattr(img, "meta", None) or {}).get("filename_or_obj", ""))
+            meta = getattr(img, "meta", None) or {}
+            if meta.get("fedlabels_dicom"):  # bundle.dicom.DicomReader inverted it already
+                continue
+            source = str(meta.get("filename_or_obj", ""))
             if source.lower().endswith(".dcm") and _photometric(source) == "MONOCHROME1":
                 d[key] = img.max() + img.min() - img
         return d
@@ -315,15 +327,19 @@ class MaskFromProbabilitiesd(MapTransform):
 class SaveMaskd(MapTransform):
     """Save a mask (channel-first, already inverted to the input's grid) as ``<stem>_<postfix><ext>``.
 
-    ``output_ext="auto"`` follows the input: a NIfTI or DICOM input gets a
-    NIfTI mask carrying the input's affine (its voxel size and orientation);
-    a PNG/JPEG input gets a PNG. A fixed extension writes every mask so.
+    ``output_ext="auto"`` follows the input: a NIfTI or DICOM input (by suffix or
+    content) gets a NIfTI mask carrying the input's affine (its voxel size and
+    orientation); a PNG/JPEG input gets a PNG. A fixed extension writes every mask so.
+    ``dicom="seg"`` saves nothing for a DICOM input: its mask goes into a DICOM SEG
+    (``bundle.dicom.DicomSegWriter``, ``configs/inference_dicom.json``).
     """
 
     def __init__(self, keys: KeysCollection, output_dir, output_postfix: str = "seg", output_ext: str = "auto",
-                 scale: int = 255, allow_missing_keys: bool = False):
+                 scale: int = 255, dicom: str = "file", allow_missing_keys: bool = False):
         super().__init__(keys, allow_missing_keys)
-        self.output_ext = output_ext
+        if dicom not in ("file", "seg"):
+            raise ValueError(f"dicom must be 'file' (a mask file per DICOM input) or 'seg' (DICOM SEG), not {dicom!r}")
+        self.output_ext, self.dicom = output_ext, dicom
         common = dict(output_dir=output_dir, output_postfix=output_postfix, output_dtype=np.uint8, resample=False,
                       separate_folder=False, print_log=False)
         self.savers = {
@@ -331,15 +347,25 @@ class SaveMaskd(MapTransform):
                            squeeze_end_dims=not ext.startswith(".nii"), **common)
             for ext in {".png", ".nii.gz", output_ext} - {"auto"}}
 
+    @staticmethod
+    def is_dicom(source: str) -> bool:
+        from .dicom import is_dicom
+
+        return str(source).lower().endswith(".dcm") or is_dicom(source)
+
     def ext_for(self, source: str) -> str:
         if self.output_ext != "auto":
             return self.output_ext
-        return ".nii.gz" if str(source).lower().endswith((".nii", ".nii.gz", ".dcm")) else ".png"
+        return ".nii.gz" if str(source).lower().endswith((".nii", ".nii.gz")) or self.is_dicom(source) else ".png"
 
     def __call__(self, data):
+        from .dicom import is_dicom
+
         d = dict(data)
         for key in self.key_iterator(d):
             source = (getattr(d[key], "meta", None) or {}).get("filename_or_obj", "")
+            if self.dicom == "seg" and is_dicom(source):  # the same test DicomSegWriter applies
+                continue
             self.savers[self.ext_for(source)](d[key])
         return d
 

@@ -530,7 +530,25 @@ def run_provenance(run, ckpt) -> dict:
     kind = {"best_FL_global_model.pt": "best global model (chosen on the sites' validation data)",
             "FL_global_model.pt": "last global model"}.get(name, name or "in-memory state dict")
     return {"method": cfg.method, "rounds": progress.get("next_round"), "checkpoint_kind": kind,
+            "model_after_rounds": _model_after_rounds(name, rounds, progress),
             "best_validation_score": progress.get("best"), "sites": sites, "run": str(run.resolve())}
+
+
+def _model_after_rounds(name: str, rounds: list, progress: dict):
+    """How many rounds the shipped global model has been through (the "round" a DICOM result names):
+    the last model, all of them; the best, the round whose sites validated it at its start (they
+    validate the model they receive), else the final model (also when no model ever scored: the
+    controller then saves the final one as the best); None for another file."""
+    done = progress.get("next_round")
+    if name == "FL_global_model.pt" or (name == "best_FL_global_model.pt" and progress.get("best") is None):
+        return done
+    if name != "best_FL_global_model.pt":
+        return None
+    for record in rounds:
+        scores = [v for k, v in record.items() if k.startswith("mean_")]
+        if scores and scores[0] == progress["best"]:
+            return record["round"]
+    return done  # no round's received model scored the best: the final model did
 
 
 def check_torchscript(bundle, atol: float = 1e-4, rtol: float = 1e-4) -> float:
