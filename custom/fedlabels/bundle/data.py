@@ -414,6 +414,30 @@ class Ensure2DChannelsd(MapTransform):
 
 
 
+class RandMirrord(RandomizableTransform, MapTransform):
+    """With probability ``prob``, the image mirrored along one spatial axis (``spatial_axis``, as MONAI's
+    ``RandFlipd``), the same for every key: MONAI's ``RandFlipd`` without its metadata bookkeeping, which on
+    28 px images took a third of a training step (measured: 2.7 s of flips in a 5-round PneumoniaMNIST run).
+    Not invertible (training only)."""
+
+    def __init__(self, keys: KeysCollection, prob: float = 0.5, spatial_axis: int = 0,
+                 allow_missing_keys: bool = False):
+        MapTransform.__init__(self, keys, allow_missing_keys)
+        RandomizableTransform.__init__(self, prob)
+        self.spatial_axis = int(spatial_axis)
+
+    def __call__(self, data):
+        d = dict(data)
+        self.randomize(None)
+        if not self._do_transform:
+            return d
+        for key in self.key_iterator(d):
+            img = d[key]  # channel first: spatial axis a is array axis a + 1
+            d[key] = torch.flip(img, dims=(self.spatial_axis + 1,)) if isinstance(img, torch.Tensor) \
+                else np.ascontiguousarray(np.flip(img, axis=self.spatial_axis + 1))
+        return d
+
+
 class RandDihedrald(RandomizableTransform, MapTransform):
     """With probability ``prob``, one random flip/rotate-by-90 (an element of the
     dihedral group D4) on the last two (spatial) dimensions, the same for every key.
