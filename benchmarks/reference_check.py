@@ -31,46 +31,63 @@ from types import SimpleNamespace
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reference import fedavg_classification, fedavg_segmentation  # noqa: E402
+from reference import fedavg_classification, fedavg_multilabel, fedavg_segmentation  # noqa: E402
 
 # What the reference needs of a preset, read from the preset itself (so a preset edit reaches both sides).
 # protocol -> (reference loop, the metric compared)
-REFERENCES = {"isofed": ("classification", "accuracy"), "fedmix": ("segmentation", "dice")}
-LOOPS = {"classification": fedavg_classification, "segmentation": fedavg_segmentation}
+REFERENCES = {"isofed": ("classification", "accuracy"), "fedmix": ("segmentation", "dice"),
+              "cxr": ("multilabel", "auroc")}
+LOOPS = {"classification": fedavg_classification, "segmentation": fedavg_segmentation,
+         "multilabel": fedavg_multilabel}
 # how far the project may sit from the reference (mean over splits, every eval round)
-TOLERANCE = {"accuracy": 0.02, "dice": 0.02}
+TOLERANCE = {"accuracy": 0.02, "dice": 0.02, "auroc": 0.02}
+# the chest X-ray bundles' weak augmentation, as fedavg_multilabel.augment implements it
+CXR_AUGMENT = [{"_target_": "RandAffined", "keys": ["image"], "prob": 0.5, "rotate_range": [0.1],
+                "scale_range": [0.1, 0.1], "translate_range": [3, 3], "padding_mode": "border"},
+               {"_target_": "RandAdjustContrastd", "keys": ["image"], "prob": 0.3, "gamma": [0.8, 1.25]},
+               {"_target_": "EnsureTyped", "keys": ["image", "label"], "track_meta": False}]
 
 
 def reference_settings(protocol: str) -> dict:
-    """The reference loop's arguments, read from the preset itself (so a preset edit reaches both sides);
-    a preset setting the loop has no equivalent of stops here, naming the file and field."""
+    """The reference loop's arguments, read from the bundle config merged with the preset (so a preset or
+    bundle edit reaches both sides); a setting the loop has no equivalent of stops here, naming the field."""
     from fedlabels import presets
+    from fedlabels.bundle import read
 
     p = presets.load(protocol)
-    raw = json.loads(p.path.read_text())
+    cfg = read(p.bundle, "", protocol=protocol, class_names=["a"])
+    where = f"{p.path} over {p.bundle / 'configs' / 'train.json'}"
     if p.client.get("optimizer", "adam") != "adam" or not p.client.get("reset_optimizer", False):
-        raise ValueError(f"{p.path}: field 'federated.client': the reference loop implements a fresh Adam every "
+        raise ValueError(f"{where}: field 'federated.client': the reference loop implements a fresh Adam every "
                          "round only")
-    intensity = raw.get("intensity", {})
-    if intensity.get("_target_") == "ScaleIntensityRanged" and (intensity.get("b_min"), intensity.get("b_max")) == (-1.0, 1.0):
+    intensity = cfg["intensity"]
+    if intensity.get("_target_") == "ScaleIntensityRanged" and (intensity.get("a_min"), intensity.get("a_max"),
+                                                                intensity.get("b_min"), intensity.get("b_max")) == (0.0, 255.0, -1.0, 1.0):
         scaling = "fixed"
-    elif intensity.get("_target_", "ScaleIntensityd") == "ScaleIntensityd":
-        scaling = "minmax"  # the bundles' default: each image by its own min and max
+    elif intensity == {"_target_": "ScaleIntensityd", "keys": ["image"]}:
+        scaling = "minmax"  # each image by its own min and max
     else:
-        raise ValueError(f"{p.path}: field 'intensity': the reference loop has no equivalent of {intensity}")
+        raise ValueError(f"{where}: field 'intensity': the reference loop has no equivalent of {intensity}")
+    random = cfg["train"]["random_transforms"]
+    flips = tuple(t.get("_target_") for t in random)
     augment = {(): "none", ("fedlabels.bundle.data.RandMirrord",): "hflip", ("RandFlipd",): "hflip",
-               ("fedlabels.bundle.data.RandDihedrald",): "dihedral"}
-    flips = tuple(t.get("_target_") for t in raw.get("train#random_transforms", []))
-    if flips not in augment:
-        raise ValueError(f"{p.path}: field 'train#random_transforms': the reference loop has no equivalent of {flips}")
-    common = {"lr": p.client.get("lr", 1e-3), "batch_size": p.batch_size or 64, "epochs": p.local_epochs}
-    if REFERENCES[protocol][0] == "segmentation":
-        if (scaling, augment[flips]) != ("minmax", "dihedral"):
-            raise ValueError(f"{p.path}: the segmentation reference scales per image and turns/flips only")
-        return {**common, "weight_decay": p.client.get("weight_decay", 0.0)}
-    if p.client.get("weight_decay", 0.0):
-        raise ValueError(f"{p.path}: field 'federated.client.weight_decay': the classification reference has none")
-    return {**common, "scaling": scaling, "augment": augment[flips]}
+               ("fedlabels.bundle.data.RandDihedrald",): "dihedral"}.get(flips)
+    if random == CXR_AUGMENT:
+        augment = "affine_contrast"
+    if augment is None:
+        raise ValueError(f"{where}: field 'train#random_transforms': the reference loop has no equivalent of {flips}")
+    common = {"lr": p.client.get("lr", 1e-3), "batch_size": cfg["batch_size"], "epochs": p.local_epochs}
+    kind = REFERENCES[protocol][0]
+    expected = {"classification": {("fixed", "hflip"), ("fixed", "dihedral"), ("minmax", "hflip"), ("minmax", "dihedral"),
+                                   ("fixed", "none"), ("minmax", "none")},
+                "segmentation": {("minmax", "dihedral")}, "multilabel": {("minmax", "affine_contrast")}}[kind]
+    if (scaling, augment) not in expected:
+        raise ValueError(f"{where}: the {kind} reference has no equivalent of scaling {scaling} with {augment}")
+    if kind == "classification":
+        if p.client.get("weight_decay", 0.0):
+            raise ValueError(f"{where}: field 'federated.client.weight_decay': the classification reference has none")
+        return {**common, "scaling": scaling, "augment": augment}
+    return {**common, "weight_decay": p.client.get("weight_decay", 0.0)}
 
 
 def project_cell(protocol: str, data: Path, seed: int, rounds: int, eval_rounds: list, work: Path,
@@ -109,7 +126,7 @@ def project_cell(protocol: str, data: Path, seed: int, rounds: int, eval_rounds:
         if r["model"] != "last" or r["group"] != bench.POOLED:
             continue
         m = metrics.setdefault(int(r["round"]), {})
-        if r["class"] == bench.MEAN and r["metric"] in ("accuracy", "auroc", "dice"):
+        if r["class"] == bench.MEAN and r["metric"] in ("accuracy", "auroc", "dice", "ap"):
             m[r["metric"]] = r["value"]
         elif r["metric"] == "recall" and r["class"] != bench.MEAN:  # a class predicted for no case has recall 0
             m["classes_predicted"] = m.get("classes_predicted", 0) + int(bool(r["value"]))

@@ -32,7 +32,8 @@ def write_inputs(folder: Path, png: Path) -> dict:
     grey = (arr if arr.ndim == 2 else arr[..., :3].mean(-1)).astype(np.uint16)
     out["dicom"], out["dicom_inverted"] = folder / f"{png.stem}_d.dcm", folder / f"{png.stem}_i.dcm"
     write_dicom(out["dicom"], grey, "P1", intercept=0.0)
-    write_dicom(out["dicom_inverted"], grey.max() - grey, "P1", intercept=0.0, photometric="MONOCHROME1")
+    # stored inverted within the picture's own range: without a window that is the range a reader inverts in
+    write_dicom(out["dicom_inverted"], grey.max() + grey.min() - grey, "P1", intercept=0.0, photometric="MONOCHROME1")
     return out
 
 
