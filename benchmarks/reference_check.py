@@ -91,13 +91,15 @@ def reference_settings(protocol: str) -> dict:
 
 
 def project_cell(protocol: str, data: Path, seed: int, rounds: int, eval_rounds: list, work: Path,
-                 config: dict | None = None, image_size: int | None = None, log=print) -> dict:
+                 config: dict | None = None, image_size: int | None = None, widen: float | None = None,
+                 log=print) -> dict:
     """``fedlabels bench``'s ``oracle:fedavg`` cell (in process) with the preset: test metrics per eval round."""
     from fedlabels import bench
 
     args = SimpleNamespace(data=str(data), bundle=None, methods="oracle:fedavg", seeds=str(seed), rounds=rounds,
                            local_epochs=None, opt=None, eval_rounds=",".join(map(str, eval_rounds)),
-                           engine="inprocess", synth=None, batch_size=None, network=None, image_size=image_size,
+                           engine="inprocess", synth=None, batch_size=None, image_size=image_size,
+                           network=[f"widen_factor={widen}"] if widen else None,
                            out=str(work), protocol=protocol)
     plan = bench.make_plan(args)
     plan.overrides = dict(config or {})  # e.g. a test switching the scaling back
@@ -137,17 +139,23 @@ def project_cell(protocol: str, data: Path, seed: int, rounds: int, eval_rounds:
 
 
 def compare(protocol, data: Path, seed: int, rounds: int, eval_rounds: list, work: Path, reference_scaling=None,
-            config=None, log=print, reference_run=None, image_size=None) -> dict:
+            config=None, log=print, reference_run=None, image_size=None, widen=None) -> dict:
     """One split: the project's cell and the reference's, side by side, one after the other in this process
     (``reference_run``: an earlier reference result of the same split and settings, reused)."""
     settings = reference_settings(protocol)
     if reference_scaling:
         settings["scaling"] = reference_scaling
-    proj = project_cell(protocol, data, seed, rounds, eval_rounds, work, config=config, image_size=image_size, log=log)
+    if widen:
+        if REFERENCES[protocol][0] != "multilabel":
+            raise ValueError(f"--widen: only the ResNet-18 of the multi-label reference has a width option")
+        settings["widen"] = widen
+    proj = project_cell(protocol, data, seed, rounds, eval_rounds, work, config=config, image_size=image_size,
+                        widen=widen, log=log)
     loop = LOOPS[REFERENCES[protocol][0]]
     ref = reference_run or loop.run(data, rounds, set(eval_rounds), seed=seed, log=lambda m: log(m), **settings)
     return {"protocol": protocol, "metric": REFERENCES[protocol][1], "data": str(data), "seed": seed,
-            "rounds": rounds, "image_size": image_size, "reference": settings, "project": proj, "reference_run": ref}
+            "rounds": rounds, "image_size": image_size, "widen": widen, "reference": settings, "project": proj,
+            "reference_run": ref}
 
 
 def problems(result: dict, tolerance: float) -> list:
@@ -246,6 +254,7 @@ def main(argv=None) -> None:
     ap.add_argument("--label", required=True, help="the row's name in the table, e.g. pneumoniamnist-g0.8")
     ap.add_argument("--reference-scaling", choices=("fixed", "minmax"),
                     help="the reference's input scaling instead of the preset's")
+    ap.add_argument("--widen", type=float, help="ResNet-18 width multiplier on both sides (MONAI's widen_factor)")
     ap.add_argument("--image-size", type=int, help="the project's input size instead of the preset's (the reference "
                                                   "reads the prepared files at their size: prepare with --size)")
     ap.add_argument("--out", default="benchmarks/results/reference_check")
@@ -268,7 +277,7 @@ def main(argv=None) -> None:
         data = Path(args.data.replace("{seed}", str(seed)))
         load_before = os.getloadavg()[0]
         result = compare(args.protocol, data, seed, args.rounds, eval_rounds, out / "work" / tag,
-                         reference_scaling=args.reference_scaling, image_size=args.image_size,
+                         reference_scaling=args.reference_scaling, image_size=args.image_size, widen=args.widen,
                          log=lambda m: print(m, flush=True))
         result["label"] = args.label
         result["load"] = (load_before, os.getloadavg()[0])
