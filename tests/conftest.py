@@ -1,25 +1,58 @@
-"""Test lanes.
+"""Test lanes and the session's shared simulator runs.
 
-Tests that run the real NVIDIA FLARE simulator or train for minutes carry the
-``simulator`` marker (registered in setup.cfg). The unit lane leaves them out::
+Markers (registered in setup.cfg; ``--strict-markers`` refuses any other):
 
-    pytest -m "not simulator"
+* ``simulator``: runs the real NVIDIA FLARE simulator (or ``fedlabels bench --engine flare``);
+* ``deploy``: a provisioned federation on 127.0.0.1, or nvflare's POC mode (tests/test_deploy.py);
+* ``claims``: a claim checked by training for minutes (tests/test_claims.py, tests/test_fedmlp_claims.py).
 
-Whole modules are marked here by file name, so the modules themselves need no
-per-test decorators.
+Each test module marks its own tests (``pytestmark`` or a decorator). The fast lane,
+``make test-fast``, is ``-m "not simulator and not deploy and not claims"``: every unit and
+reference-loop test and the static job checks (drift, filters, configuration). ``make test``
+(what .ci/run calls) runs everything.
+
+Simulator runs are shared across modules (``sim_run``, tests/shared_runs.py): the scenario
+folders they read are session fixtures here, so a run asked for by two modules happens once.
+A test that asks for ``sim_run`` must carry the ``simulator`` marker (checked at collection).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-SIMULATOR_MODULES = frozenset({"test_flare.py", "test_claims.py", "test_deploy.py", "test_fedmlp_claims.py",
-                               "test_fedmix_flare.py"})
-
+from fedlabels.data.synthetic import generate
+from shared_runs import SharedRuns
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if Path(str(item.fspath)).name in SIMULATOR_MODULES:
-            item.add_marker(pytest.mark.simulator)
+    unmarked = [item.nodeid for item in items  # fixturenames: every fixture the test needs, directly or not
+                if "sim_run" in getattr(item, "fixturenames", ()) and item.get_closest_marker("simulator") is None]
+    if unmarked:
+        raise pytest.UsageError("tests using a shared simulator run without the simulator marker: "
+                                + ", ".join(unmarked))
+
+
+@pytest.fixture(scope="session")
+def sim_run(tmp_path_factory):
+    """``sim_run(spec, data, threads=None, env=None)`` -> (server run folder, log), once per session."""
+    return SharedRuns(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def cxr_data(tmp_path_factory):
+    """The embedded cxr scenario, small: 4 sites of 16/10/... cases (FedPSL's Table I label sets), 12 test cases."""
+    return generate("cxr", tmp_path_factory.mktemp("cxr") / "cxr", seed=0, cases=16, test_cases=12)
+
+
+@pytest.fixture(scope="session")
+def medmnist_data(tmp_path_factory):
+    """Two sites: site-1 labeled, site-2 unlabeled (the embedded medmnist default), 48 + 16 test cases."""
+    return generate("medmnist", tmp_path_factory.mktemp("mm") / "mm", seed=0, sites=2, cases=48, test_cases=16)
+
+
+@pytest.fixture(scope="session")
+def lesion_data(tmp_path_factory):
+    """Two 32 px lesion scenarios of 2 sites: a pixel site beside a box site, or beside an image-level site."""
+    root = tmp_path_factory.mktemp("lesion")
+    common = dict(seed=0, sites=2, size=32, cases=12, test_cases=8)
+    return {"bbox": generate("lesion", root / "pb", supervision=["pixel", "bbox"], **common),
+            "image": generate("lesion", root / "pi", supervision=["pixel", "image"], **common)}

@@ -1,17 +1,23 @@
 """The ``fedlabels`` command on a malformed scenario: one line, no traceback, no training.
 
 Every command that reads a scenario folder validates it with
-``profile.load_scenario`` before any model code runs. The commands run as
-subprocesses, all at once (they stop at validation, so this takes seconds).
+``profile.load_scenario`` before any model code runs. Most commands run in this
+process through ``cli.main`` (its output captured; an exception escaping it counts as
+a traceback); two run as real subprocesses, at once, to show that the console entry
+point prints no traceback either: ``train`` (the light parser) and ``simulate`` (the
+FLARE parser).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -56,23 +62,61 @@ def _commands(root: Path, data: Path) -> dict:
     }
 
 
-def _launch(argvs: dict) -> dict:
-    """Run ``python -m fedlabels.cli ARGV`` for every entry at once; name -> (rc, stdout, stderr)."""
+# the commands that run as real subprocesses
+SUBPROCESS = ("short/train", "short/simulate")
+
+
+def _in_process(argv) -> tuple:
+    """(exit code, stdout, stderr) of ``fedlabels ARGV`` run through ``cli.main`` in this process, from the
+    repository as the subprocesses; an exception escaping ``main`` is written to stderr as the interpreter would."""
+    out, err = io.StringIO(), io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main([str(a) for a in argv])
+            except SystemExit as e:  # argparse
+                code = e.code
+            except Exception:
+                err.write(traceback.format_exc())
+                code = 1
+    finally:
+        os.chdir(cwd)
+    return code, out.getvalue(), err.getvalue()
+
+
+def _run_all(argvs: dict) -> dict:
+    """name -> (rc, stdout, stderr): the SUBPROCESS entries as subprocesses (started first, at once), the
+    others in this process meanwhile."""
+    results = _launch({name: argv for name, argv in argvs.items() if name in SUBPROCESS}, wait=False)
+    for name, argv in argvs.items():
+        if name not in SUBPROCESS:
+            results[name] = _in_process(argv)
+    return {name: r() if callable(r) else r for name, r in results.items()}
+
+
+def _launch(argvs: dict, wait=True) -> dict:
+    """Run ``python -m fedlabels.cli ARGV`` for every entry at once; name -> (rc, stdout, stderr)
+    (``wait=False``: name -> a function that waits for it and returns them)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {
         name: subprocess.Popen([sys.executable, "-m", "fedlabels.cli", *map(str, argv)], cwd=REPO, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name, argv in argvs.items()
     }
-    results = {}
-    for name, proc in procs.items():
+
+    def result(proc):
         try:
             out, err = proc.communicate(timeout=300)
         except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()
-        results[name] = (proc.returncode, out, err)
-    return results
+        return proc.returncode, out, err
+
+    if not wait:
+        return {name: (lambda p=proc: result(p)) for name, proc in procs.items()}
+    return {name: result(proc) for name, proc in procs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +124,7 @@ def runs(scenarios):
     root = scenarios["root"]
     argvs = {f"short/{k}": v for k, v in _commands(root / "short-runs", scenarios["short"]).items()}
     argvs["yaml/train"] = _commands(root / "yaml-runs", scenarios["yaml"])["train"]
-    return _launch(argvs)
+    return _run_all(argvs)
 
 
 def _one_error_line(result) -> str:
@@ -146,7 +190,7 @@ def test_train_bundle_validates_before_monai(scenarios, tmp_path):
 
 def test_bad_worker_processes_and_site_count_are_one_line_before_anything_runs(tmp_path):
     ws, out = tmp_path / "ws", tmp_path / "synth"
-    results = _launch({
+    results = _run_all({
         "threads": ["simulate", "fedavg_cxr", "-n", "2", "-t", "3", "--rounds", "1", "-w", ws],
         "sites": ["synth", "cxr", "--sites", "0", "--out", out],
     })
@@ -157,7 +201,7 @@ def test_bad_worker_processes_and_site_count_are_one_line_before_anything_runs(t
 
 def test_bad_provisioning_arguments_are_one_line_before_anything_is_written(tmp_path):
     base = ["provision", "--project", "study", "--server", "localhost", "--admin", "admin@example.org"]
-    results = _launch({
+    results = _run_all({
         "twice": base + ["--sites", "hospital-a,hospital-a", "--out", tmp_path / "twice"],
         "name": base[:-2] + ["--admin", "not-an-email", "--sites", "hospital-a", "--out", tmp_path / "name"],
         "ports": base + ["--sites", "hospital-a", "--fl-port", "8002", "--admin-port", "8002", "--out", tmp_path / "ports"],

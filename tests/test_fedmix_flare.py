@@ -1,7 +1,12 @@
 """FedMix's jobs in the real nvflare simulator (2 sites x 2 rounds, one pixel site and one box or
-image-level site), and the exported FedMix bundle writing masks for PNG and NIfTI inputs."""
+image-level site, 32 px), and the exported FedMix bundle writing masks for PNG and NIfTI inputs.
 
-import dataclasses
+The runs are the session's shared ones (``sim_run``): fedmix_lesion also serves
+tests/test_dicom_outputs.py. fedavg_full_lesion has no run of its own: FedAvg on the lesion
+bundle runs in tests/test_flare.py (fedavg_lesion) and every site's masks (oracle) here in
+fedadaptagg_lesion (tests/test_flare.py, ``COVERED_BY``).
+"""
+
 import json
 
 import nibabel as nib
@@ -13,35 +18,27 @@ from PIL import Image
 
 from clinical_inputs import NIFTI_AFFINE, write_inputs
 from fedlabels.bundle.workflows import export_bundle
-from fedlabels.data.synthetic import generate
-from fedlabels.flare.commands import evaluate_global, simulate
-from fedlabels.flare.job import JOBS, REPO, export
+from fedlabels.flare.commands import evaluate_global
+from fedlabels.flare.job import REPO
+from shared_runs import job
 
-TINY = {"rounds": 2, "sites": 2, "batch_size": 8, "image_size": 32}
+pytestmark = pytest.mark.simulator
+
 # FedST's warm-up ends after round 0, so round 1 self-trains at the image-level site.
 CHANGES = {"fedst_lesion": {"server": {"warmup_rounds": 1}}}
 
 
 @pytest.fixture(scope="module")
-def lesion(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lesion")
-    common = dict(seed=0, sites=2, size=32, cases=12, test_cases=8)
-    return {"bbox": generate("lesion", root / "pb", supervision=["pixel", "bbox"], **common),
-            "image": generate("lesion", root / "pi", supervision=["pixel", "image"], **common)}
-
-
-_RUNS = {}
+def lesion(lesion_data):
+    """The session's 32 px lesion scenarios: "bbox" (pixel + box site), "image" (pixel + image-level site)."""
+    return lesion_data
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, lesion):
+def runs(sim_run, lesion):
+    """``runs(name, kind="bbox")`` -> the server run folder of the job on ``lesion[kind]`` (32 px), once per session."""
     def get(name, kind="bbox"):
-        if name not in _RUNS:
-            spec = dataclasses.replace(JOBS[name], **{**TINY, **CHANGES.get(name, {})})
-            tmp = tmp_path_factory.mktemp(name)
-            job = export(spec, tmp / "jobs")
-            _RUNS[name] = simulate(job, tmp / "ws", spec.sites, data=lesion[kind], log=tmp / "sim.log", timeout=300)
-        return _RUNS[name]
+        return sim_run(job(name, image_size=32, **CHANGES.get(name, {})), lesion[kind])[0]
     return get
 
 
@@ -75,7 +72,7 @@ def test_fedst_job_self_trains_the_image_level_site_after_warmup(runs):
     assert recs[1]["abstained"] == [] and recs[1]["sites"]["site-2"]["n"] > 0
 
 
-@pytest.mark.parametrize("name", ["fedavg_full_lesion", "fedadaptagg_lesion"])
+@pytest.mark.parametrize("name", ["fedadaptagg_lesion"])
 def test_full_label_jobs_train_every_site_on_its_masks(name, runs):
     recs = rounds(runs(name))
     assert all(not r["abstained"] and r["aggregated"] for r in recs)

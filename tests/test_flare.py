@@ -1,11 +1,33 @@
-"""FLARE glue against the real nvflare simulator on tiny synthetic data."""
+"""FLARE glue against the real nvflare simulator on tiny synthetic data.
+
+The simulator runs are shared (``sim_run``, tests/shared_runs.py): each job's smoke run
+(2 sites x 2 rounds) happens once per session and carries every check that can read it.
+What each run serves:
+
+* ``fedavg_cxr``: its smoke test, FLARE = in-process, the half-precision run's float32
+  upload sizes, and tests/test_dicom_outputs.py's structured reports;
+* ``fedbn_cxr``: its smoke test, FLARE = in-process, FedBN's batch norm and personal
+  models, the run a resume continues, and the process-per-site side of the sites-taking-turns
+  test (which is the same-seed rerun too);
+* ``surgical_cxr``: its smoke test and FLARE = in-process;
+* ``fedprox_cxr`` (lr 5e-05, ``hidden`` 16): its smoke test and the one-configuration check;
+* ``fedpsl_cxr`` (privacy option on): its smoke test and tests/test_privacy.py's noised
+  summaries in every message;
+* ``fedmlp_cxr`` (warm-up 1 round): its smoke test and the prototypes and tags;
+* ``fedavg_cxr`` with half-precision transfer (torch threads left to the controller): the
+  half-precision checks and the cores' share;
+* the other cxr jobs, the medmnist and lesion jobs: their own tests.
+
+Jobs whose client and server code other jobs' runs execute (``COVERED_BY``) have no run of
+their own; their committed folders are checked like every job's (drift, configuration).
+"""
 
 import dataclasses
 import filecmp
 import json
+import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,32 +37,45 @@ import pytest
 import torch
 import yaml
 
+from fedlabels import methods
 from fedlabels.data.synthetic import generate
-from fedlabels.flare.commands import LOST_SITE, SiteLostAtStartup, evaluate_global, run_watched, simulate, write_jobs
+from fedlabels.flare.commands import LOST_SITE, SiteLostAtStartup, evaluate_global, run_watched, write_jobs
 from fedlabels import references
-from fedlabels.flare.job import JOBS, REPO, export
+from fedlabels.flare.job import JOBS, REPO
+from shared_runs import TINY, job, simulate_job, smoke
 
-TINY = {"rounds": 2, "sites": 2, "batch_size": 8}
+# Jobs without a simulator run of their own, and the jobs whose runs execute their code:
+# fedpsl_tdma = FedPSL's TDMA server (fedpsl_cxr) with FedPSL's client without TADL (the plain
+# training step every job runs, with FedPSL's loss); fedpsl_tadl = FedPSL's client (fedpsl_cxr)
+# with the n_k-weighted FedAvg server (fedavg_cxr); mt_wfedavg = the mean-teacher client without
+# pretraining (rscfed_medmnist) with the weighted FedAvg server (wfedavg_medmnist); fedavg_full_lesion
+# = FedAvg on the lesion bundle (fedavg_lesion) on every site's masks (fedadaptagg_lesion, oracle).
+COVERED_BY = {"fedpsl_tdma_cxr": ("fedpsl_cxr",), "fedpsl_tadl_cxr": ("fedpsl_cxr", "fedavg_cxr"),
+              "mt_wfedavg_medmnist": ("rscfed_medmnist", "wfedavg_medmnist"),
+              "fedavg_full_lesion": ("fedavg_lesion", "fedadaptagg_lesion")}
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return generate("cxr", tmp_path_factory.mktemp("cxr") / "cxr", seed=0, cases=16, test_cases=12)
-
-
-_RUNS = {}
-
-
-def run(spec, tmp_path, data, tag="", threads=None, **changes):
-    spec = dataclasses.replace(spec, **{**TINY, **changes})
-    job = export(spec, tmp_path / f"jobs{tag}")
-    log = tmp_path / f"{spec.name}{tag}.log"
-    return simulate(job, tmp_path / f"ws{tag}", spec.sites, data=data, threads=threads, log=log, timeout=300), log
+def data(cxr_data):
+    return cxr_data
 
 
 def weights(run_dir, name="FL_global_model.pt"):
     state = torch.load(run_dir / "app_server" / name, weights_only=False)["model"]
     return {k: np.asarray(v) for k, v in state.items()}
+
+
+def in_process(spec, data, rounds=TINY["rounds"], **setup_options):
+    """The in-process engine's run of ``spec`` on one torch thread (as each simulated site)."""
+    setups = references.setups(REPO / "bundles" / spec.bundle, data, batch_size=TINY["batch_size"], seed=spec.seed,
+                               **setup_options)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return references.federate(spec.method, setups, rounds, seed=spec.seed, client_options=spec.client,
+                                   server_options=spec.server or None, log=None)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_run_watched_stops_a_run_that_lost_a_site(tmp_path):
@@ -84,28 +119,43 @@ def test_committed_jobs_match_their_code(tmp_path):
         assert not diffs, f"nvflare_jobs/{name} drifted from fedlabels.flare.job ({diffs}); run `fedlabels jobs`"
 
 
-# What the 2-round runs change beyond TINY: FedMLP warms up for one round so that stage 2 (prototypes,
-# tagging) runs too, with fixed selection ratios large enough to tag some of the 16 cases.
-CI_CHANGES = {"fedmlp_cxr": {"server": {"warmup_rounds": 1, "tau0": 0.3, "tau1": 0.3, "adaptive_threshold": False}}}
-
-
 @pytest.fixture(scope="module")
-def job_runs(tmp_path_factory, data):
-    """Each job run once (2 sites x 2 rounds), shared by the tests below."""
+def job_runs(sim_run, data):
+    """``job_runs(name)`` -> (server run folder, log): the job's smoke run, once per session."""
     def get(name):
-        if name not in _RUNS:
-            _RUNS[name] = run(JOBS[name], tmp_path_factory.mktemp(name), data, **CI_CHANGES.get(name, {}))
-        return _RUNS[name]
+        return sim_run(smoke(name), data)
     return get
 
 
-CXR = sorted(name for name, spec in JOBS.items() if spec.family == "cxr")
+CXR = sorted(name for name, spec in JOBS.items() if spec.family == "cxr" and name not in COVERED_BY)
+SEMI_SUPERVISED = {"isofed_medmnist": ({}, [("unlabeled", ["site-2"]), ("labeled", ["site-1"])]),
+                   "rscfed_medmnist": ({"subset_size": 2}, [("subsets", ["site-1", "site-2"])]),
+                   "wfedavg_medmnist": ({}, [("train", ["site-1", "site-2"])])}
+# the jobs tests/test_fedmix_flare.py runs
+FEDMIX_RUNS = ("fedmix_lesion", "fedst_lesion", "fedadaptagg_lesion")
+
+
+def test_every_job_runs_in_the_simulator_or_shares_the_code_of_jobs_that_do():
+    """A job is run in the simulator here or in tests/test_fedmix_flare.py, or every class its method
+    trains and aggregates with runs in the jobs COVERED_BY names, on the same bundle and task."""
+    simulated = set(CXR) | {"fedavg_medmnist", "fedavg_lesion"} | set(SEMI_SUPERVISED) | set(FEDMIX_RUNS)
+    assert not simulated & set(COVERED_BY) and simulated | set(COVERED_BY) == set(JOBS)
+    for name, covering in COVERED_BY.items():
+        spec, others = JOBS[name], [JOBS[c] for c in covering]
+        assert set(covering) <= simulated, name
+        method = methods.get(spec.method)
+        assert method.client in {methods.get(o.method).client for o in others}, name
+        assert method.server in {methods.get(o.method).server for o in others}, name
+        assert all(o.bundle == spec.bundle and o.family == spec.family for o in others), name
+        assert spec.oracle in {o.oracle for o in others}, name
+        assert method.uses_unlabeled in {methods.get(o.method).uses_unlabeled for o in others}, name
 
 
 def test_every_task_has_a_job():
     assert {spec.family for spec in JOBS.values()} == {"cxr", "medmnist", "lesion"}
 
 
+@pytest.mark.simulator
 @pytest.mark.parametrize("name", CXR)
 def test_every_cxr_job_runs_in_the_simulator(name, job_runs, data):
     run_dir, log = job_runs(name)
@@ -134,14 +184,16 @@ def test_every_cxr_job_runs_in_the_simulator(name, job_runs, data):
     assert 0.0 <= metrics["auroc"] <= 1.0
 
 
-@pytest.mark.parametrize("name, options, metric", [
-    ("fedavg_medmnist", {"cases": 48, "test_cases": 16}, "accuracy"),
-    ("fedavg_lesion", {"cases": 12, "test_cases": 8}, "dice"),
+@pytest.mark.simulator
+@pytest.mark.parametrize("name, changes, metric", [
+    ("fedavg_medmnist", {}, "accuracy"),
+    ("fedavg_lesion", {"image_size": 32}, "dice"),  # the 32 px pixel + box scenario of the FedMix runs
 ])
-def test_multiclass_and_segmentation_jobs_run_in_the_simulator(name, options, metric, tmp_path):
+def test_multiclass_and_segmentation_jobs_run_in_the_simulator(name, changes, metric, sim_run, medmnist_data,
+                                                               lesion_data):
     spec = JOBS[name]
-    family_data = generate(spec.family, tmp_path / spec.family, seed=0, sites=2, **options)
-    run_dir, log = run(spec, tmp_path, family_data)
+    family_data = medmnist_data if spec.family == "medmnist" else lesion_data["bbox"]
+    run_dir, log = sim_run(job(name, **changes), family_data)
     recs = rounds(run_dir)
     assert [r["round"] for r in recs] == [0, 1] and all(r["aggregated"] and not r["dropped"] for r in recs)
     # sites with nothing a supervised method can learn from abstain (weight 0), they do not fail
@@ -153,49 +205,41 @@ def test_multiclass_and_segmentation_jobs_run_in_the_simulator(name, options, me
     assert evaluate_global(run_dir, REPO / "bundles" / spec.bundle, family_data, "best")[metric] is not None
 
 
-def test_simulated_sites_share_the_cores_without_fedlabels_simulate(job_runs):
+@pytest.fixture(scope="module")
+def half_run(sim_run, data):
+    """fedavg_cxr with half-precision transfer, the sites' torch threads left to the controller
+    (no OMP_NUM_THREADS in the simulator's environment)."""
+    return sim_run(job("fedavg_cxr", transfer="float16"), data, env={"OMP_NUM_THREADS": None})
+
+
+@pytest.mark.simulator
+def test_simulated_sites_share_the_cores_without_fedlabels_simulate(half_run):
     """The controller gives each simulated site its share of the cores (the plain
     `nvflare simulator` command gets it too: simulate() sets no thread variable)."""
-    _, log = job_runs("fedavg_cxr")
-    import os
-
-    expected = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // TINY["sites"]))
+    _, log = half_run
+    expected = str(max(1, (os.cpu_count() or 1) // TINY["sites"]))
     text = log.read_text()
     assert f"[site-1] torch threads: {expected}" in text and f"[site-2] torch threads: {expected}" in text
 
 
-def test_same_seed_same_metrics(tmp_path, data, job_runs):
-    a, _ = job_runs("fedavg_cxr")
-    b, _ = run(JOBS["fedavg_cxr"], tmp_path, data, "b")
-    strip = lambda recs: [{k: v for k, v in r.items() if k != "seconds"} for r in recs]  # noqa: E731
-    assert strip(rounds(a)) == strip(rounds(b))
-    wa, wb = weights(a), weights(b)
-    assert all(np.array_equal(wa[k], wb[k]) for k in wa)
-
-
+@pytest.mark.simulator
 @pytest.mark.parametrize("name", ["fedavg_cxr", "surgical_cxr", "fedbn_cxr"])
 def test_flare_and_in_process_engine_give_the_same_weights(name, job_runs, data):
-    """The controller and the in-process loop run the same engine: same global weights (1e-6).
-    FedBN: nvflare's ExcludeVars filter and the in-process site_round withhold the same keys."""
+    """The controller and the in-process loop run the same engine: same global weights (1e-6),
+    one torch thread on both sides. FedBN: nvflare's ExcludeVars filter and the in-process
+    site_round withhold the same keys."""
     run_dir, _ = job_runs(name)
-    spec = JOBS[name]
-    setups = references.setups(REPO / "bundles" / spec.bundle, data, sites=["site-1", "site-2"],
-                               batch_size=TINY["batch_size"], seed=spec.seed)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each simulated site (2 sites on 2 cores)
-    try:
-        out = references.federate(spec.method, setups, TINY["rounds"], seed=spec.seed, client_options=spec.client, log=None)
-    finally:
-        torch.set_num_threads(threads)
+    out = in_process(smoke(name), data, sites=["site-1", "site-2"])
     flare_w = weights(run_dir)
     assert set(flare_w) == set(out["last"])
     for k, v in out["last"].items():
         np.testing.assert_allclose(flare_w[k], v, rtol=0, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.simulator
 def test_bad_updates_and_crashes_are_dropped_and_rounds_complete(tmp_path, data):
     faults = ["site-2:keys:0", "site-3:no_n:0", "site-2:nan:1", "site-3:shape:1", "site-4:crash:1"]
-    run_dir, log = run(JOBS["fedavg_pl_cxr"], tmp_path, data, sites=4, faults=faults)
+    run_dir, log = simulate_job(job("fedavg_pl_cxr", sites=4, faults=faults), data, tmp_path)
     recs = rounds(run_dir)
     assert sorted(recs[0]["dropped"]) == ["site-2", "site-3"] and recs[0]["aggregated"]
     assert "case count" in recs[0]["dropped"]["site-3"]  # never weighted 1
@@ -213,57 +257,65 @@ def test_bad_updates_and_crashes_are_dropped_and_rounds_complete(tmp_path, data)
     assert all(np.isfinite(np.asarray(v, dtype=np.float64)).all() for v in last.values())
 
 
-@pytest.mark.parametrize("breakage, message", [
-    (lambda d: d["site-2/profile.yaml"].update(annotated=[]), "site-2/profile.yaml: field 'annotated': the site annotates no class"),
-    (lambda d: d["site-1/profile.yaml"]["classes"].reverse(), "site-1/profile.yaml: field 'classes': class list"),
-])
-def test_bad_site_profile_stops_the_job_before_training(breakage, message, tmp_path, data):
+@pytest.mark.simulator
+def test_bad_site_profiles_stop_the_job_before_training(tmp_path, data):
+    """Two sites with a bad profile each (one annotates no class, the other lists the classes out of
+    order): each names its own file and field, and no round is trained."""
     broken = tmp_path / "broken"
     shutil.copytree(data, broken)
     docs = {f: yaml.safe_load((broken / f).read_text()) for f in ("site-1/profile.yaml", "site-2/profile.yaml")}
-    breakage(docs)
+    docs["site-2/profile.yaml"].update(annotated=[])
+    docs["site-1/profile.yaml"]["classes"].reverse()
     for f, d in docs.items():
         (broken / f).write_text(yaml.safe_dump(d))
     with pytest.raises(RuntimeError, match="did not finish"):
-        run(JOBS["surgical_cxr"], tmp_path, broken)
+        simulate_job(job("surgical_cxr"), broken, tmp_path)
     text = (tmp_path / "surgical_cxr.log").read_text()
-    assert message in text
+    for message in ("site-2/profile.yaml: field 'annotated': the site annotates no class",
+                    "site-1/profile.yaml: field 'classes': class list"):
+        assert message in text
     assert "round 0 site-" not in text  # no round was trained
 
 
-def test_resume_is_exact(tmp_path, data, job_runs, monkeypatch):
-    """fedbn (site state: its own batch norm and optimizer) 2 rounds + resume + 2 rounds = 4 rounds."""
+@pytest.mark.simulator
+def test_resume_is_exact(tmp_path, data, job_runs):
+    """fedbn (site state: its own batch norm and optimizer) 2 rounds + resume + 2 rounds = 4 rounds of the
+    in-process engine (one torch thread on both sides; FLARE = in-process at 2 rounds is tested above)."""
     first, _ = job_runs("fedbn_cxr")
     saved = tmp_path / "saved"
     shutil.copytree(first, saved)
     # the sites' saved state lies beside the first run's workspace (fedlabels simulate's default); resume
     # from a copy, so the shared first run's state stays as it left it for the other tests
     shutil.copytree(first.parents[2] / "ws.state", tmp_path / "saved.state")
-    monkeypatch.setenv("FEDLABELS_STATE", str(tmp_path / "saved.state"))
-    resumed, log = run(JOBS["fedbn_cxr"], tmp_path, data, "2", rounds=4, resume_from=str(saved))
+    spec = job("fedbn_cxr", rounds=4, resume_from=str(saved))
+    resumed, log = simulate_job(spec, data, tmp_path, "2",
+                                env={"OMP_NUM_THREADS": "1", "FEDLABELS_STATE": str(tmp_path / "saved.state")})
     assert [r["round"] for r in rounds(resumed)] == [2, 3]
     text = log.read_text()
     assert "resuming from" in text and "site-1] resumed its state" in text
     assert json.loads((resumed / "progress.json").read_text())["next_round"] == 4
     assert (resumed / "app_server" / "best_FL_global_model.pt").is_file()
-    monkeypatch.delenv("FEDLABELS_STATE")
-    straight, _ = run(JOBS["fedbn_cxr"], tmp_path, data, "4", rounds=4)
-    a, b = weights(resumed), weights(straight)
+    straight = in_process(smoke("fedbn_cxr"), data, rounds=4, sites=["site-1", "site-2"])["last"]
+    a = weights(resumed)
+    assert set(a) == set(straight)
     for k in a:
-        np.testing.assert_allclose(a[k], b[k], rtol=0, atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(a[k], straight[k], rtol=0, atol=1e-6, err_msg=k)
 
 
-def test_sites_taking_turns_in_fewer_processes_continue_their_state(tmp_path, data, monkeypatch):
+@pytest.mark.simulator
+def test_sites_taking_turns_in_fewer_processes_continue_their_state(tmp_path, data, job_runs):
     """nvflare's simulator with fewer threads than sites starts a new process for every
     site task; each site continues its saved state (FedBN: its own batch norm and Adam
-    moments), so the run equals the one with a long-lived process per site. (One torch
-    thread in both runs: another thread count changes the sums' order, not the state.)"""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    straight, _ = run(JOBS["fedbn_cxr"], tmp_path, data, "own", threads=2)
-    turns, log = run(JOBS["fedbn_cxr"], tmp_path, data, "turns", threads=1)
+    moments), so the run equals the one with a long-lived process per site: the same
+    metrics round by round and the same weights, which is also the same-seed rerun. (One
+    torch thread in both runs: another thread count changes the sums' order, not the state.)"""
+    straight, _ = job_runs("fedbn_cxr")  # a process per site, one torch thread
+    turns, log = simulate_job(job("fedbn_cxr"), data, tmp_path, "turns", threads=1)
     text = log.read_text()
     for site in ("site-1", "site-2"):  # round 1 runs in a new process
         assert f"[{site}] continued its state of this run" in text
+    strip = lambda recs: [{k: v for k, v in r.items() if k != "seconds"} for r in recs]  # noqa: E731
+    assert strip(rounds(turns)) == strip(rounds(straight))
     a, b = weights(turns), weights(straight)
     assert a.keys() == b.keys()
     for k in a:
@@ -273,12 +325,13 @@ def test_sites_taking_turns_in_fewer_processes_continue_their_state(tmp_path, da
     assert cross[0] == cross[1]
 
 
-def test_half_precision_transfer_runs_in_the_simulator(tmp_path, data, job_runs):
+@pytest.mark.simulator
+def test_half_precision_transfer_runs_in_the_simulator(half_run, job_runs):
     """transfer=float16: nvflare's ModelQuantizer/ModelDequantizer filters on both sides;
     the site's upload, as nvflare's download service counted it, is about half the
     float32 run's, and the server's model comes back in float32."""
     full, _ = job_runs("fedavg_cxr")
-    half, log = run(JOBS["fedavg_cxr"], tmp_path, data, transfer="float16")
+    half, log = half_run
     assert [r["round"] for r in rounds(half)] == [0, 1]
     assert "Running quantization on" in (half.parents[1] / "server" / "log.txt").read_text()
     w = weights(half)
@@ -299,17 +352,20 @@ def uploads(run_dir) -> list:
     return [int(n.replace(",", "")) for log in sorted(ws.glob("site-*/log.txt")) for n in UPLOAD.findall(log.read_text())]
 
 
+@pytest.mark.simulator
 def test_a_run_that_never_aggregates_fails_with_the_reason(tmp_path, data):
     faults = [f"site-{s}:nan:{r}" for s in (1, 2) for r in (0, 1)]
     with pytest.raises(RuntimeError, match="no round aggregated"):
-        run(JOBS["fedavg_cxr"], tmp_path, data, faults=faults)
+        simulate_job(job("fedavg_cxr", faults=faults), data, tmp_path)
 
 
-def test_one_configuration_reaches_server_and_sites(tmp_path, data):
+@pytest.mark.simulator
+def test_one_configuration_reaches_server_and_sites(job_runs):
     """JSON keeps 5e-05 a float at every site; a network override reaches the server's
-    persistor and every site (or the sites' updates would not match the global keys)."""
-    spec = dataclasses.replace(JOBS["fedavg_cxr"], client={"lr": 5e-05, "epochs": 1}, network={"hidden": 16})
-    run_dir, log = run(spec, tmp_path, data)
+    persistor and every site (or the sites' updates would not match the global keys).
+    The fedprox_cxr smoke run carries both (shared_runs.SMOKE_CHANGES)."""
+    assert smoke("fedprox_cxr").client["lr"] == 5e-05 and smoke("fedprox_cxr").network == {"hidden": 16}
+    run_dir, log = job_runs("fedprox_cxr")
     text = log.read_text()
     assert text.count("'lr': 5e-05") >= 2 and "'lr': '5e-05'" not in text
     w = weights(run_dir)
@@ -394,7 +450,8 @@ def test_exclude_filter_removes_exactly_the_batch_norm_keys_from_a_result_and_th
     assert entry["array_bytes"] == sum(v.nbytes for k, v in state.items() if k not in bn)
 
 
-def test_fedbn_batch_norm_never_leaves_a_site_and_its_personal_model_carries_it(job_runs, data, tmp_path):
+@pytest.mark.simulator
+def test_fedbn_batch_norm_never_leaves_a_site_and_its_personal_model_carries_it(job_runs, data, tmp_path, capsys):
     """In the real simulator: no task a FedBN site sent carries a batch-norm key (its audit record,
     written after nvflare's filters); the server's global model keeps its initial batch norm while
     every other weight trains; a site's personal model is the global weights with the batch norm it
@@ -452,12 +509,14 @@ def test_fedbn_batch_norm_never_leaves_a_site_and_its_personal_model_carries_it(
 
     # A hospital's deployable bundle: `fedlabels export --run --site-state` takes the run's last model (the
     # round the state file's batch norm is from) with the site's own batch norm, judged on its own validation
-    # cases; without --site-state a FedBN run is refused in one line, nothing written.
-    fedlabels = str(Path(sys.executable).with_name("fedlabels"))
+    # cases; without --site-state a FedBN run is refused in one line, nothing written. (The command in this
+    # process, cli.main; tests/test_cli.py runs the console script in subprocesses.)
+    from fedlabels import cli
+
     state_file = run_dir.parents[2] / "ws.state" / "site-1.pt"
     mine = tmp_path / "site-1"
-    subprocess.run([fedlabels, "export", "--bundle", spec.bundle, "--run", str(run_dir), "--data", str(data),
-                    "--site-state", str(state_file), "--out", str(mine)], check=True, capture_output=True)
+    assert cli.main(["export", "--bundle", spec.bundle, "--run", str(run_dir), "--data", str(data),
+                     "--site-state", str(state_file), "--out", str(mine)]) == 0
     exported = torch.load(mine / "models" / "model.pt", weights_only=True)
     own = personal_model(w, state_file)
     assert all(torch.equal(exported[k], own[k]) for k in own)
@@ -466,27 +525,21 @@ def test_fedbn_batch_norm_never_leaves_a_site_and_its_personal_model_carries_it(
     assert meta["provenance"]["site_state"] == str(state_file)
     assert meta["provenance"]["checkpoint"].endswith("/FL_global_model.pt")
     assert meta["training"]["validation_sites"] == ["site-1"]
-    refused = subprocess.run([fedlabels, "export", "--bundle", spec.bundle, "--run", str(run_dir),
-                              "--out", str(tmp_path / "global")], capture_output=True, text=True)
-    assert refused.returncode == 2 and "--site-state" in refused.stderr and len(refused.stderr.splitlines()) == 1
+    capsys.readouterr()
+    code = cli.main(["export", "--bundle", spec.bundle, "--run", str(run_dir), "--out", str(tmp_path / "global")])
+    stderr = capsys.readouterr().err
+    assert code == 2 and "--site-state" in stderr and len(stderr.splitlines()) == 1
     assert not (tmp_path / "global").exists()
 
 
-@pytest.fixture(scope="module")
-def medmnist_data(tmp_path_factory):
-    """Two sites: site-1 labeled, site-2 unlabeled (the embedded medmnist default)."""
-    return generate("medmnist", tmp_path_factory.mktemp("mm") / "mm", seed=0, sites=2, cases=48, test_cases=16)
-
-
-@pytest.mark.parametrize("name, server, steps", [
-    ("isofed_medmnist", {}, [("unlabeled", ["site-2"]), ("labeled", ["site-1"])]),
-    ("mt_wfedavg_medmnist", {}, [("train", ["site-1", "site-2"])]),
-    ("rscfed_medmnist", {"subset_size": 2}, [("subsets", ["site-1", "site-2"])]),
-    ("wfedavg_medmnist", {}, [("train", ["site-1", "site-2"])]),
-])
-def test_semi_supervised_jobs_run_in_the_simulator(name, server, steps, tmp_path, medmnist_data, capsys):
-    spec = dataclasses.replace(JOBS[name], server={**JOBS[name].server, **server})
-    run_dir, log = run(spec, tmp_path, medmnist_data)
+@pytest.mark.simulator
+@pytest.mark.parametrize("name", sorted(SEMI_SUPERVISED))
+def test_semi_supervised_jobs_run_in_the_simulator(name, sim_run, medmnist_data, capsys):
+    """Site-1 labeled, site-2 unlabeled. mt_wfedavg_medmnist has no run of its own (COVERED_BY):
+    its steps are wfedavg's and its unlabeled site's rule is rscfed's."""
+    server, steps = SEMI_SUPERVISED[name]
+    spec = job(name, server={**JOBS[name].server, **server})
+    run_dir, log = sim_run(spec, medmnist_data)
     recs = rounds(run_dir)
     assert [r["round"] for r in recs] == [0, 1]
     for r in recs:
@@ -502,16 +555,8 @@ def test_semi_supervised_jobs_run_in_the_simulator(name, server, steps, tmp_path
     if name == "isofed_medmnist":
         assert np.isfinite(recs[0]["sites"]["site-2"]["pretrain_loss"])
         assert "pretrain_loss" not in recs[0]["sites"]["site-1"]
-        # the isolated order through FLARE is the in-process engine's: same global weights
-        setups = references.setups(REPO / "bundles" / spec.bundle, medmnist_data, batch_size=TINY["batch_size"],
-                                   seed=spec.seed, method=spec.method)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            out = references.federate(spec.method, setups, TINY["rounds"], seed=spec.seed, client_options=spec.client,
-                                      log=None)
-        finally:
-            torch.set_num_threads(threads)
+        # the isolated order through FLARE is the in-process engine's: same global weights (one torch thread)
+        out = in_process(spec, medmnist_data, method=spec.method)
         flare_w = weights(run_dir)
         for k, v in out["last"].items():
             np.testing.assert_allclose(flare_w[k], v, rtol=0, atol=1e-6, err_msg=k)
@@ -524,10 +569,11 @@ def test_semi_supervised_jobs_run_in_the_simulator(name, server, steps, tmp_path
         assert all(f"### {m}" in text for m in ("auroc", "precision", "recall")) and "accuracy: isofed " in text
 
 
+@pytest.mark.simulator
 def test_semi_supervised_job_without_a_labeled_site_stops_before_round_0(tmp_path):
     data = generate("medmnist", tmp_path / "nolab", seed=0, sites=2, cases=32, test_cases=8, labeled=[])
     with pytest.raises(RuntimeError, match="did not finish"):
-        run(JOBS["isofed_medmnist"], tmp_path, data)
+        simulate_job(job("isofed_medmnist"), data, tmp_path)
     text = (tmp_path / "isofed_medmnist.log").read_text()
     assert "method isofed: no site has a labeled training case" in text
     assert "round 0 site-" not in text  # no round was trained
@@ -550,6 +596,7 @@ def test_a_site_that_keeps_keys_refuses_a_job_without_their_filter():
                      REPO / "nvflare_jobs" / "fedavg_cxr" / "app" / "custom")
 
 
+@pytest.mark.simulator
 def test_fedmlp_sends_prototypes_from_the_last_warmup_round_and_tags_in_stage_2(job_runs):
     """The real simulator with warmup_rounds=1: round 0 is the warm-up, whose updates already carry the
     prototypes of the site's annotated classes and the degree (the sent record shows exactly these extras);
