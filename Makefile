@@ -1,13 +1,18 @@
-# Two entry points: `make demo` (the main job on the embedded data) and
-# `make test` (the test suite). Both create .venv on first use.
+# Entry points: `make demo` (the main job on the embedded data), `make test` (the whole
+# test suite, what .ci/run calls) and `make test-fast` (units, reference loops and the
+# static job checks: no simulator, deployment or claim runs). All create .venv on first use.
+# The test targets print the 15 slowest tests and write a JUnit XML report of every test's
+# time into $(REPORTS).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 # Exact tested pins; torch==2.13.0 resolves to the local CPU build here.
 # GPU users: see README "Choosing a torch build".
 CONSTRAINTS ?= constraints.txt
+REPORTS ?= test-reports
+FAST    := not simulator and not deploy and not claims
 
-.PHONY: venv demo test jobs clean
+.PHONY: venv demo test test-fast jobs clean
 
 $(BIN)/fedlabels: setup.cfg $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,10 +27,13 @@ demo: venv
 	$(BIN)/fedlabels demo --out demo
 
 test: venv
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q --durations=15 --junitxml=$(REPORTS)/junit.xml tests
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "$(FAST)" --durations=15 --junitxml=$(REPORTS)/junit-fast.xml tests
 
 jobs: venv
 	$(BIN)/fedlabels jobs --out nvflare_jobs
 
 clean:
-	rm -rf demo .pytest_cache
+	rm -rf demo .pytest_cache $(REPORTS)

@@ -18,11 +18,14 @@ level. Not asserted: any effect on test AUROC (benchmarks/, README).
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from fedlabels.bundle import bundle_path
 from fedlabels.data.synthetic import generate
 from fedlabels.references import federate, setups
+
+pytestmark = pytest.mark.claims
 
 SMALL = dict(batch_size=16, config={"image_size": 32}, network_overrides={"widen_factor": 0.25})
 
