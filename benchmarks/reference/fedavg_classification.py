@@ -145,4 +145,4 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, scaling: str = "fixed", a
         if rnd in eval_rounds:
             out[rnd] = test_metrics(global_net, *test, classes)
             log(f"[reference] seed {seed} round {rnd}: {out[rnd]}")
-    return {"metrics": out, "seconds_per_round": float(np.mean(seconds))}
+    return {"metrics": out, "seconds_per_round": float(np.mean(seconds)), "seconds": seconds}

@@ -148,6 +148,6 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 1e-3, weight_
         if rnd in eval_rounds:
             out[rnd] = {"auroc": macro_auroc(global_net, *test)}
             log(f"[reference] seed {seed} round {rnd}: {out[rnd]}")
-    return {"metrics": out, "seconds_per_round": float(np.mean(seconds))}
+    return {"metrics": out, "seconds_per_round": float(np.mean(seconds)), "seconds": seconds}
 
 
