@@ -3,6 +3,7 @@
     fedlabels synth {cxr,medmnist,lesion} --out DIR [--seed N]
     fedlabels validate DIR                         check a scenario, print its table
     fedlabels prepare DATASET --src DIR --protocol NAME --out DIR
+    fedlabels import LABELS.csv [SITE=MORE.csv ...] --out DIR   your own images and labels
     fedlabels train --bundle bundles/X --data DIR [--site NAME] [--epochs N] --out DIR
     fedlabels evaluate --bundle bundles/X --ckpt MODEL --data DIR
     fedlabels export --bundle bundles/X --ckpt MODEL --out DIR [--run RUN_DIR] [--data DIR]
@@ -153,6 +154,10 @@ def build_parser(flare: bool = True) -> argparse.ArgumentParser:
     from .data import prepare
 
     prepare.add_parser(sub)
+
+    from .data import importer
+
+    importer.add_parser(sub)
 
     s = sub.add_parser("train", help="train a bundle locally (one site) or centralized (all sites)")
     s.add_argument("--bundle", required=True)

@@ -81,6 +81,7 @@ class Plan:
     sources: list = field(default_factory=list)
     notes: list = field(default_factory=list)
     window: Any = None
+    generator: str = "fedlabels.data.prepare"  # recorded as provenance.generator
 
 
 # ------------------------------------------------------------------ conversion
@@ -211,7 +212,9 @@ def write_plan(plan: Plan, out, seed: int, workers: int = 1, say=None, skip_bad:
                 names[key] = stem
                 (tmp / folder / "images").mkdir(parents=True, exist_ok=True)
                 mask_path = None
-                if seg:
+                # a mask for every case that has or needs one (test, oracle, pixel level); a box or
+                # image-level case of a plan without oracle labels carries its own label in ``extra``
+                if seg and (plan.oracle or _split == "testing" or e.supervision == "pixel" or e.case.mask is not None):
                     (tmp / folder / "masks").mkdir(parents=True, exist_ok=True)
                     mask_path = str(tmp / folder / "masks" / f"{stem}.png")
                 jobs.append((len(jobs), e.case.image, e.case.mask, str(tmp / folder / "images" / f"{stem}.png"),
@@ -361,7 +364,7 @@ def _scenario_meta(plan: Plan, seed: int, command, skipped) -> dict:
         meta["extra_tests"] = {x.name: {"datalist": f"{x.name}/datalist.json", "annotated": list(x.annotated),
                                         "description": x.description} for x in plan.extra_tests}
     meta["provenance"] = {
-        "generator": "fedlabels.data.prepare",
+        "generator": plan.generator,
         "command": command,
         "protocol": plan.protocol.get("name"),
         "seed": seed,

@@ -275,6 +275,8 @@ def load_pixels(spec, window=None) -> np.ndarray:
     """Decode an image spec to an array (H, W) or (H, W, 3); raises PrepareError naming the file."""
     if isinstance(spec, np.ndarray):
         return spec
+    if hasattr(spec, "pixels"):  # an image that decodes itself (fedlabels import's DICOM files)
+        return spec.pixels()
     if isinstance(spec, VolumeSlice):
         vol = read_volume(spec.path)
         if not 0 <= spec.index < vol.shape[0]:
