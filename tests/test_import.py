@@ -153,7 +153,7 @@ def test_one_csv_per_site(tmp_path, capsys):
 # ---------------------------------------------------------------- (b) segmentation: masks and boxes
 
 
-def test_segmentation_masks_at_one_site_boxes_at_another(tmp_path, capsys):
+def test_segmentation_masks_boxes_and_image_level_classes(tmp_path, capsys):
     data = tmp_path / "data"
     rows = [["image", "site", "mask", "box"]]
     for i in range(10):  # site-1: pixel masks
@@ -175,13 +175,18 @@ def test_segmentation_masks_at_one_site_boxes_at_another(tmp_path, capsys):
         # site-1 has an img{i}.png too: a name used twice is written under its folder's name
         boxes["s2_" + Path(name).stem if i != 5 else "ct5"] = [] if box == "none" else [[x, 5, x + 12, 18, 0]]
         rows.append([name, "site-2", "", box])
+    rows[0].append("classes")
+    for i in range(6):  # site-3: image-level classes
+        png(data / "s3" / f"c{i}.png", np.full((32, 32), 30 * i))
+        rows.append([f"s3/c{i}.png", "site-3", "", "", "lesion" if i % 2 else "none"])
+    rows = [r + [""] * (len(rows[0]) - len(r)) for r in rows]
     labels = write_csv(data / "labels.csv", rows)
     out = tmp_path / "scen"
     imported(capsys, labels, "--out", out, "--classes", "lesion", "--test-fraction", "0.3")
 
     rc, table, err = fedlabels(capsys, "validate", out)
     assert rc == 0, err
-    assert "(pixel)" in table and "(bbox)" in table
+    assert "(pixel)" in table and "(bbox)" in table and "(image)" in table
     sc = load_scenario(out)
     assert sc.task == "segmentation" and sc.classes == ("lesion",)
     assert sc.sites["site-1"].profile.supervision == "pixel"
@@ -193,11 +198,39 @@ def test_segmentation_masks_at_one_site_boxes_at_another(tmp_path, capsys):
         assert item["supervision"] == "bbox" and "seg" not in item
         assert item["boxes"] == boxes[Path(item["image"]).stem]
     assert not (out / "site-2" / "masks").exists()  # no made-up masks at a box site
+    site3 = sc.sites["site-3"]
+    assert site3.profile.supervision == "image" and len(site3.training + site3.validation) == 6
+    assert {tuple(i["classes"]) for i in site3.training + site3.validation} == {(), (0,)}
+    assert all(i["supervision"] == "image" and "seg" not in i for i in site3.training + site3.validation)
     # the test split: site-1's masked cases only (30 % of its patients), marked with their site
     assert len(sc.test) == 3 and all(t["site"] == "site-1" and t["seg"] for t in sc.test)
     dcm_png = next(Path(i["image"]) for i in items if Path(i["image"]).stem == "ct5")
     arr = np.asarray(Image.open(dcm_png))
     assert arr.shape == (32, 32) and arr[10, 10] > arr[0, 0]  # the DICOM's lesion is bright, scaled to 8 bits
+
+
+def test_segmentation_of_two_classes_resized(tmp_path, capsys):
+    """Label-map masks (class index + 1), boxes naming their class, --size scaling both."""
+    rows = [["image", "site", "mask", "box"]]
+    for i in range(8):
+        m = square(20, 2, 2, 6, 6, 1) + square(20, 10, 10, 15, 15, 2)
+        png(tmp_path / f"i{i}.png", m * 40 + 30)
+        png(tmp_path / f"m{i}.png", m)
+        rows.append([f"i{i}.png", "a", f"m{i}.png", ""])
+    for i in range(8, 12):
+        png(tmp_path / f"i{i}.png", np.full((20, 20), 50))
+        rows.append([f"i{i}.png", "b", "", "2,2,6,6,fluid;10,10,15,15,cyst"])
+    out = tmp_path / "scen"
+    imported(capsys, write_csv(tmp_path / "labels.csv", rows), "--out", out, "--size", "40", "--quiet")
+    sc = load_scenario(out)
+    assert sc.classes == ("cyst", "fluid")  # names found in the boxes, sorted
+    assert yaml.safe_load((out / "scenario.yaml").read_text())["mask_values"] == {"background": 0, "cyst": 1,
+                                                                                    "fluid": 2}
+    for item in sc.sites["b"].training + sc.sites["b"].validation:
+        assert item["boxes"] == [[4, 4, 12, 12, 1], [20, 20, 30, 30, 0]]
+    for item in sc.test + sc.sites["a"].training:
+        mask = np.asarray(Image.open(item["seg"]))
+        assert mask.shape == (40, 40) and set(np.unique(mask)) == {0, 1, 2}
 
 
 # ---------------------------------------------------------------- (c) multi-class split by patient
