@@ -26,51 +26,85 @@ naive FedAvg on the single-site classes in every seed only from about 570
 local steps per site (README, "Partial labels at a realistic budget"), and
 FedPSL with its TADL step not ahead even then.
 
-Runs the methods' own client and server rules in one process
-(``references.federate``), about 4 minutes on 2 cores.
+Runs the methods' own client and server rules (``references.federate``), each seed
+in its own single-thread process, the two seeds at once (the thresholds below were
+measured single-threaded): about 4 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
-import pytest
-import torch
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-from fedlabels.data.synthetic import CXR_CLASSES, CXR_SITE_CLASSES, generate
-from fedlabels.bundle import bundle_path
-from fedlabels import site
-from fedlabels.references import federate, score, setups
+import pytest
+
+from fedlabels.data.synthetic import CXR_CLASSES, CXR_SITE_CLASSES
+
+pytestmark = pytest.mark.claims
 
 SINGLE = [c for c in CXR_CLASSES if sum(c in s for s in CXR_SITE_CLASSES) == 1]
 METHODS = ("fedavg", "fedpsl")
+SEEDS = (0, 1)
+
+
+def measure(seed: int, out_dir: Path) -> dict:
+    """Expected/observed ratio (p̄ / prevalence) of each single-site class on the test split, and the
+    mean of its head row, per method; one torch thread."""
+    import torch
+
+    from fedlabels import site
+    from fedlabels.bundle import bundle_path
+    from fedlabels.data.synthetic import generate
+    from fedlabels.references import federate, score, setups
+
+    torch.set_num_threads(1)
+    data = generate("cxr", out_dir / "cxr", seed=seed, cases=150, test_cases=600)
+    bundle = bundle_path("cxr_resnet18")
+    tests = site.test_loader(bundle, data)
+    out = {}
+    for method in METHODS:
+        st = setups(bundle, data, seed=seed)
+        weights = federate(method, st, rounds=10, seed=seed, log=None, client_options={"lr": 1e-3, "epochs": 1})["last"]
+        net = st["site-1"].net
+        per_class = score(net, weights, bundle, data, tests)["per_class"]
+        out[method] = {c: per_class[c]["eo_ratio"] for c in SINGLE}
+        head = net.head.weight.detach()  # score() loaded the weights
+        out[f"{method}/head"] = {c: float(head[CXR_CLASSES.index(c)].mean()) for c in SINGLE}
+    out["threads"] = torch.get_num_threads()
+    return out
 
 
 def test_the_scenario_has_single_site_classes():
     assert SINGLE == ["infiltration", "pneumothorax"]
 
 
-@pytest.fixture(scope="module", params=[0, 1], ids=lambda s: f"seed{s}")
-def calibration(request, tmp_path_factory):
-    """Expected/observed ratio (p̄ / prevalence) of each single-site class on the test split, per method."""
-    seed = request.param
-    data = generate("cxr", tmp_path_factory.mktemp(f"claim{seed}") / "cxr", seed=seed, cases=150, test_cases=600)
-    bundle = bundle_path("cxr_resnet18")
-    tests = site.test_loader(bundle, data)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """Both seeds at once, each in a fresh process with one thread (OMP_NUM_THREADS=1 and torch's own setting)."""
+    root = tmp_path_factory.mktemp("claims")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    procs = {}
+    for seed in SEEDS:
+        (root / f"seed{seed}").mkdir()
+        procs[seed] = subprocess.Popen([sys.executable, __file__, str(seed), str(root / f"seed{seed}")], env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = {}
-    try:
-        for method in METHODS:
-            st = setups(bundle, data, seed=seed)
-            weights = federate(method, st, rounds=10, seed=seed, log=None, client_options={"lr": 1e-3, "epochs": 1})["last"]
-            net = st["site-1"].net
-            per_class = score(net, weights, bundle, data, tests)["per_class"]
-            out[method] = {c: per_class[c]["eo_ratio"] for c in SINGLE}
-            head = net.head.weight.detach()  # score() loaded the weights
-            out[f"{method}/head"] = {c: float(head[CXR_CLASSES.index(c)].mean()) for c in SINGLE}
-    finally:
-        torch.set_num_threads(threads)
-    print(f"seed {seed} p̄/prevalence and head row means:",
-          {m: {c: round(v, 3) for c, v in r.items()} for m, r in out.items()})
+    for seed, proc in procs.items():
+        text, _ = proc.communicate(timeout=1800)
+        assert proc.returncode == 0, text[-3000:]
+        out[seed] = json.loads((root / f"seed{seed}" / "calibration.json").read_text())
+        print(f"seed {seed} p̄/prevalence and head row means:",
+              {m: {c: round(v, 3) for c, v in r.items()} for m, r in out[seed].items() if m != "threads"})
+    return out
+
+
+@pytest.fixture(params=SEEDS, ids=lambda s: f"seed{s}")
+def calibration(request, measured):
+    out = dict(measured[request.param])
+    assert out.pop("threads") == 1
     return out
 
 
@@ -81,12 +115,14 @@ def test_naive_fedavg_under_calls_single_site_classes(calibration):
         assert calibration["fedavg"][c] < 0.5, (c, calibration)
 
 
-def test_fedpsl_does_not_under_call_single_site_classes(calibration):
+def test_fedpsl_calls_single_site_classes_above_naive_fedavgs_bound_and_at_over_3x_its_ratio(calibration):
     # Both rows use the same positive weighting (the shared pos_weighted default). FedPSL's ratio was
-    # 0.78-6.0 over three seeds (one thread), 5.7-38x naive FedAvg's: only the relative claim held in
-    # every seed, so only it is asserted (an absolute floor of 0.8 failed seed 2's infiltration, 0.78).
+    # 0.78-6.0 over three seeds (one thread), 5.7-38x naive FedAvg's. Asserted: above the 0.5 that naive
+    # FedAvg stays below (the under-calling of the test above), and more than 3x naive FedAvg's ratio.
+    # Not asserted: calibration (a ratio near 1); a floor of 0.8 failed seed 2's infiltration, 0.78.
     for c in SINGLE:
         ratio, naive = calibration["fedpsl"][c], calibration["fedavg"][c]
+        assert ratio > 0.5, (c, calibration)
         assert ratio > 3 * naive, (c, calibration)
 
 
@@ -98,3 +134,8 @@ def test_naive_fedavg_turns_single_site_head_rows_negative(calibration):
     for c in SINGLE:
         assert calibration["fedavg/head"][c] < 0, (c, calibration)
         assert calibration["fedavg/head"][c] < calibration["fedpsl/head"][c], (c, calibration)
+
+
+if __name__ == "__main__":  # one seed's measurement, in its own process (the ``measured`` fixture)
+    seed, out_dir = int(sys.argv[1]), Path(sys.argv[2])
+    (out_dir / "calibration.json").write_text(json.dumps(measure(seed, out_dir)))
