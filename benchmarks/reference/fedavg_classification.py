@@ -16,7 +16,6 @@ be read against the protocol in one sitting.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,8 @@ import torch
 import yaml
 from PIL import Image
 from torch import nn
+
+from . import fedavg
 
 
 class IsoFedCNN(nn.Module):
@@ -119,30 +120,10 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, scaling: str = "fixed", a
                       channels, scaling)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    global_net = IsoFedCNN(channels, classes)
-    counts = torch.tensor([len(y) for _, y in sites], dtype=torch.float64)
-    out, seconds = {}, []
-    for rnd in range(1, rounds + 1):
-        t0 = time.perf_counter()
-        states = []
-        for x, y in sites:
-            net = IsoFedCNN(channels, classes)
-            net.load_state_dict(global_net.state_dict())
-            opt = torch.optim.Adam(net.parameters(), lr=lr)
-            net.train()
-            for _ in range(epochs):
-                order = torch.randperm(len(y), generator=gen)
-                for i in range(0, len(y), batch_size):
-                    idx = order[i:i + batch_size]
-                    loss = nn.functional.cross_entropy(net(AUGMENT[augment](x[idx], gen)), y[idx])
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-            states.append(net.state_dict())
-        share = counts / counts.sum()
-        global_net.load_state_dict({k: sum(float(w) * s[k] for w, s in zip(share, states)) for k in states[0]})
-        seconds.append(time.perf_counter() - t0)
-        if rnd in eval_rounds:
-            out[rnd] = test_metrics(global_net, *test, classes)
-            log(f"[reference] seed {seed} round {rnd}: {out[rnd]}")
-    return {"metrics": out, "seconds_per_round": float(np.mean(seconds)), "seconds": seconds}
+
+    def loss(net, x, y, site):
+        return nn.functional.cross_entropy(net(AUGMENT[augment](x, gen)), y)
+
+    return fedavg.run(lambda: IsoFedCNN(channels, classes), sites, loss,
+                      lambda net: test_metrics(net, *test, classes), rounds, eval_rounds, gen, lr, batch_size,
+                      epochs, log=log, tag=f"seed {seed} ")

@@ -17,7 +17,6 @@ counts. Test metric: the mean over classes of the one-vs-rest AUROC.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,8 @@ import yaml
 from PIL import Image
 from torch import nn
 from torch.nn import functional as F
+
+from . import fedavg
 
 
 class Block(nn.Module):
@@ -121,33 +122,11 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 1e-3, weight_
         pos_weights.append(torch.where((pos > 0) & (neg > 0), neg / pos.clamp(min=1), torch.ones_like(pos)))
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    global_net = ResNet18(1, classes, widen)
-    counts = torch.tensor([len(y) for _, y in sites], dtype=torch.float64)
-    out, seconds = {}, []
-    for rnd in range(1, rounds + 1):
-        t0 = time.perf_counter()
-        states = []
-        for (x, y), pw in zip(sites, pos_weights):
-            net = ResNet18(1, classes, widen)
-            net.load_state_dict(global_net.state_dict())
-            opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=weight_decay)
-            net.train()
-            for _ in range(epochs):
-                order = torch.randperm(len(y), generator=gen)
-                for i in range(0, len(y), batch_size):
-                    idx = order[i:i + batch_size]
-                    loss = F.binary_cross_entropy_with_logits(net(augment(x[idx], gen)), y[idx], pos_weight=pw)
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-            states.append(net.state_dict())
-        share = counts / counts.sum()
-        global_net.load_state_dict({k: sum(float(w) * s[k].double() for w, s in zip(share, states)).to(states[0][k].dtype)
-                                    for k in states[0]})
-        seconds.append(time.perf_counter() - t0)
-        if rnd in eval_rounds:
-            out[rnd] = {"auroc": macro_auroc(global_net, *test)}
-            log(f"[reference] seed {seed} round {rnd}: {out[rnd]}")
-    return {"metrics": out, "seconds_per_round": float(np.mean(seconds)), "seconds": seconds}
+
+    def loss(net, x, y, site):
+        return F.binary_cross_entropy_with_logits(net(augment(x, gen)), y, pos_weight=pos_weights[site])
+
+    return fedavg.run(lambda: ResNet18(1, classes, widen), sites, loss, lambda net: {"auroc": macro_auroc(net, *test)},
+                      rounds, eval_rounds, gen, lr, batch_size, epochs, weight_decay, log=log, tag=f"seed {seed} ")
 
 

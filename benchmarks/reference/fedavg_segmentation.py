@@ -16,7 +16,6 @@ Dice of the 0.5-thresholded mask per case, averaged.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ import yaml
 from PIL import Image
 from torch import nn
 
+from . import fedavg
 from .fedavg_classification import dihedral_pair
 
 
@@ -90,31 +90,10 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 1e-3, weight_
     test = load_split(data / "test", json.loads((data / "test" / "datalist.json").read_text())["testing"])
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    global_net = UNet()
-    counts = torch.tensor([len(m) for _, m in sites], dtype=torch.float64)
-    out, seconds = {}, []
-    for rnd in range(1, rounds + 1):
-        t0 = time.perf_counter()
-        states = []
-        for x, y in sites:
-            net = UNet()
-            net.load_state_dict(global_net.state_dict())
-            opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=weight_decay)
-            net.train()
-            for _ in range(epochs):
-                order = torch.randperm(len(y), generator=gen)
-                for i in range(0, len(y), batch_size):
-                    idx = order[i:i + batch_size]
-                    xb, yb = dihedral_pair(x[idx], y[idx], gen)
-                    loss = soft_dice_loss(net(xb), yb)
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-            states.append(net.state_dict())
-        share = counts / counts.sum()
-        global_net.load_state_dict({k: sum(float(w) * s[k] for w, s in zip(share, states)) for k in states[0]})
-        seconds.append(time.perf_counter() - t0)
-        if rnd in eval_rounds:
-            out[rnd] = {"dice": test_dice(global_net, *test)}
-            log(f"[reference] seed {seed} round {rnd}: {out[rnd]}")
-    return {"metrics": out, "seconds_per_round": float(np.mean(seconds)), "seconds": seconds}
+
+    def loss(net, x, y, site):
+        xb, yb = dihedral_pair(x, y, gen)
+        return soft_dice_loss(net(xb), yb)
+
+    return fedavg.run(UNet, sites, loss, lambda net: {"dice": test_dice(net, *test)}, rounds, eval_rounds, gen, lr,
+                      batch_size, epochs, weight_decay, log=log, tag=f"seed {seed} ")

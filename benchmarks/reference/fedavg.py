@@ -1,0 +1,49 @@
+"""The FedAvg rounds every reference loop shares, in plain PyTorch.
+
+Each round every site starts from the global model with a fresh Adam, makes
+``epochs`` passes over its cases in shuffled batches of ``batch_size``
+(``loss(net, x, y, site_index)`` gives the batch loss, augmentation included),
+and the server averages every tensor of the site models by the sites' case
+counts. The test metric is computed at each round in ``eval_rounds``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+
+def run(make_net, sites, loss, evaluate, rounds: int, eval_rounds, gen: torch.Generator, lr: float,
+        batch_size: int, epochs: int = 1, weight_decay: float = 0.0, log=print, tag: str = "") -> dict:
+    """``sites``: [(images, targets)]; returns the metric per eval round and the seconds of every round."""
+    global_net = make_net()
+    share = torch.tensor([len(y) for _, y in sites], dtype=torch.float64)
+    share = share / share.sum()
+    out, seconds = {}, []
+    for rnd in range(1, rounds + 1):
+        t0 = time.perf_counter()
+        states = []
+        for k, (x, y) in enumerate(sites):
+            net = make_net()
+            net.load_state_dict(global_net.state_dict())
+            opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=weight_decay)
+            net.train()
+            for _ in range(epochs):
+                order = torch.randperm(len(y), generator=gen)
+                for i in range(0, len(y), batch_size):
+                    idx = order[i:i + batch_size]
+                    batch_loss = loss(net, x[idx], y[idx], k)
+                    opt.zero_grad()
+                    batch_loss.backward()
+                    opt.step()
+            states.append(net.state_dict())
+        # every tensor averaged (integer counters too, cast back to their type)
+        global_net.load_state_dict({key: sum(float(w) * s[key].double() for w, s in zip(share, states)).to(states[0][key].dtype)
+                                    for key in states[0]})
+        seconds.append(time.perf_counter() - t0)
+        if rnd in eval_rounds:
+            out[rnd] = evaluate(global_net)
+            log(f"[reference] {tag}round {rnd}: {out[rnd]}")
+    return {"metrics": out, "seconds_per_round": float(np.mean(seconds)), "seconds": seconds}
