@@ -153,6 +153,16 @@ def _cell(values, run, method, metric="accuracy", paper=None):
     return text + (f" / {paper:.1f}" if paper is not None else "")
 
 
+def site_share(args, ds, gamma, labeled, k) -> float | None:
+    """Site k's share of the training cases (%), mean over the prepared splits."""
+    shares = []
+    for folder in sorted((args.out / "data").glob(f"{ds}-g{gamma}-l{labeled}-s*")):
+        counts = {p.parent.name: len(json.loads(p.read_text())["training"]) for p in folder.glob("site-*/datalist.json")}
+        if f"site-{k}" in counts and sum(counts.values()):
+            shares.append(100 * counts[f"site-{k}"] / sum(counts.values()))
+    return float(np.mean(shares)) if shares else None
+
+
 def glance(args, values) -> list:
     """Accuracy only, one row per (dataset, gamma, L:U): ours / paper; the best labeled site alone."""
     cols = [UB] + METHODS
@@ -173,7 +183,10 @@ def glance(args, values) -> list:
                           for k in range(1, labeled + 1)]
                 floors = [f for f in floors if not np.isnan(f[0])]
                 best = max(floors) if floors else None
-                cells.append(f"{_cell(values, run, f'local:site-{best[1]}')} (site-{best[1]})" if best else "not run")
+                share = site_share(args, ds, gamma, labeled, best[1]) if best else None
+                cells.append(f"{_cell(values, run, f'local:site-{best[1]}')} (site-{best[1]}"
+                             + (f", {share:.0f} % of the training cases)" if share is not None else ")")
+                             if best else "not run")
                 lines.append(f"| {ds} | {gamma} | {labeled}:{4 - labeled} | " + " | ".join(cells) + " |")
     return lines + [""]
 
