@@ -9,6 +9,10 @@ through the admin API). The tests run in file order on one federation:
 a job and its exported model; malformed data at one hospital; a hospital
 killed mid-round; the server killed mid-job and the job resumed.
 
+The killed hospital is killed while it holds its trained round-1 update (the
+``hang`` fault drill: it never sends it), so the test does not depend on how fast
+the machine is: the hospital cannot have finished round 1 before the kill.
+
 Two deployment settings are shortened so that the fault tests take seconds,
 not the 10 minutes of nvflare's defaults: the server's heartbeat timeout
 (``local/resources.json``) and the grace before a silent site is declared
@@ -31,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+import yaml
 
 from monai.bundle import verify_metadata
 
@@ -40,6 +44,8 @@ from fedlabels.data.synthetic import generate
 from fedlabels.flare.local_federation import (Participant, free_ports, kit_processes, set_heartbeat_timeout,
                                               this_python_first, wait_for_sites)
 from fedlabels.flare.provision import PINNED, installed
+
+pytestmark = pytest.mark.deploy
 
 FEDLABELS = str(Path(sys.executable).with_name("fedlabels"))  # the installed console script
 REPO = Path(__file__).resolve().parents[1]
@@ -85,8 +91,16 @@ def fed(tmp_path_factory):
         assert not left, f"processes left behind: {left}"
 
 
-def submit(fed, *args, wait=True):
-    cmd = [sys.executable, str(JOB), "--prod", str(fed["admin"]), "-n", "2", *args]
+def submit(fed, *args, wait=True, faults=()):
+    """The committed job through its job.py; with ``faults``, the same job (fedlabels.flare.job.run_cli,
+    what job.py calls) with these fault drills in its configuration."""
+    argv = ["--prod", str(fed["admin"]), "-n", "2", *args]
+    if faults:
+        code = ("import dataclasses, sys; from fedlabels.flare.job import JOBS, run_cli; "
+                f"run_cli(dataclasses.replace(JOBS['fedavg_cxr'], faults={list(faults)!r}), sys.argv[1:])")
+        cmd = [sys.executable, "-c", code, *argv]
+    else:
+        cmd = [sys.executable, str(JOB), *argv]
     if not wait:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
@@ -120,6 +134,16 @@ def wait_for_round(server_kit, next_round, since, proc, timeout=120) -> Path:
 
 def site_log(fed, site, job_id) -> str:
     return (fed["kits"][site] / job_id / "log.txt").read_text()
+
+
+def wait_for_line(kit, line, since, proc, timeout=180) -> Path:
+    """The log of a job this participant started after ``since`` once it holds ``line``."""
+    while True:
+        for log in kit.glob("*/log.txt"):
+            if log.stat().st_mtime > since and line in log.read_text(errors="replace"):
+                return log
+        assert proc.poll() is None and time.time() - since < timeout, f"no job log of {kit.name} says {line!r}"
+        time.sleep(0.2)
 
 
 def test_provisioned_kits_use_mutual_tls_and_pin_the_packages(fed):
@@ -222,10 +246,11 @@ def test_a_hospital_with_malformed_data_stops_the_job_before_round_0(fed):
 
 def test_a_killed_hospital_is_left_out_and_the_job_finishes(fed):
     t0 = time.time()
-    proc = submit(fed, "--rounds", "2", "--min-sites", "1", wait=False)
+    proc = submit(fed, "--rounds", "2", "--min-sites", "1", wait=False, faults=["site-2:hang:1"])
     try:
-        # round 0 aggregated from both: site-2 is now receiving or training round 1
+        # round 0 aggregated from both; site-2 has trained round 1 and holds its update (the hang drill)
         wait_for_round(fed["kits"]["localhost"], 1, t0, proc)
+        wait_for_line(fed["kits"]["site-2"], "fault drill: site-2 hangs in round 1", t0, proc)
         fed["sites"]["site-2"].stop()  # SIGKILL to the whole hospital: no goodbye to the server
         out, _ = proc.communicate(timeout=240)
     finally:
@@ -241,8 +266,10 @@ def test_a_killed_hospital_is_left_out_and_the_job_finishes(fed):
 
 
 def test_a_restarted_server_resumes_the_job_from_its_last_global_model(fed):
+    """3 rounds, the server killed once round 0 is aggregated: the resumed job must run the rest (at
+    least one round after the restart; were the first job done before the kill, the test fails)."""
     t0 = time.time()
-    proc = submit(fed, "--rounds", "2", wait=False)
+    proc = submit(fed, "--rounds", "3", wait=False)
     server_kit = fed["kits"]["localhost"]
     try:
         progress = wait_for_round(server_kit, 1, t0, proc)
@@ -254,10 +281,11 @@ def test_a_restarted_server_resumes_the_job_from_its_last_global_model(fed):
     next_round = json.loads(progress.read_text())["next_round"]
     fed["server"] = Participant(server_kit, env=SERVER_ENV).start()
     wait_for_sites(fed["admin"], SITES)
-    job_id, status, result = submit(fed, "--rounds", "2", "--resume-from", str(run_dir))
+    assert 1 <= next_round < 3, next_round  # the first job was stopped part way
+    job_id, status, result = submit(fed, "--rounds", "3", "--resume-from", str(run_dir))
     assert status == "FINISHED:COMPLETED"
     rounds = [json.loads(line)["round"] for line in (result / "workspace" / "metrics.jsonl").read_text().splitlines()]
-    assert rounds == list(range(next_round, 2))
+    assert rounds == list(range(next_round, 3)) and rounds  # rounds ran after the restart
     assert f"resuming from {run_dir}: round {next_round}" in (result / "workspace" / "log.txt").read_text()
     for site in SITES:
         assert f"[{site}] resumed its state" in site_log(fed, site, job_id)
@@ -265,8 +293,19 @@ def test_a_restarted_server_resumes_the_job_from_its_last_global_model(fed):
 
 def test_the_same_job_runs_in_poc_mode(tmp_path):
     """nvflare's POC mode (``job.py --poc``): PocEnv provisions a local project, starts its
-    server and sites, runs the job, downloads the result and stops every service."""
+    server and sites, runs the job, downloads the result and stops every service. On free
+    ports, not nvflare's default 8002/8003 (busy on a machine running another POC): PocEnv
+    provisions from the workspace's project.yml, here nvflare's own default with the ports changed."""
+    from nvflare.lighter.provision import gen_default_project_config
+
     workspace = tmp_path / "poc"
+    workspace.mkdir()
+    gen_default_project_config("dummy_project.yml", str(workspace / "project.yml"))
+    project = yaml.safe_load((workspace / "project.yml").read_text())
+    fl_port, admin_port = free_ports(2)
+    (server,) = [p for p in project["participants"] if p["type"] == "server"]
+    server.update(fed_learn_port=fl_port, admin_port=admin_port)
+    (workspace / "project.yml").write_text(yaml.safe_dump(project, sort_keys=False))
     data = generate("cxr", tmp_path / "data", seed=0, cases=16, test_cases=12, sites=2)
     env = this_python_first({**os.environ, "NVFLARE_POC_WORKSPACE": str(workspace), "FEDLABELS_DATA": str(data),
                              "OMP_NUM_THREADS": "1"})
@@ -278,6 +317,9 @@ def test_the_same_job_runs_in_poc_mode(tmp_path):
     rounds = [json.loads(line) for line in (result / "workspace" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [0, 1] and all(sorted(r["sites"]) == list(SITES) for r in rounds)
     assert (result / "workspace" / "app_server" / "FL_global_model.pt").is_file()
+    (fed_server,) = workspace.rglob("server/startup/fed_server.json")  # the provisioned server: the free ports
+    listening = json.loads(fed_server.read_text())["servers"][0]
+    assert listening["service"]["target"].endswith(f":{fl_port}") and listening["admin_port"] == admin_port, listening
     # nvflare's supervisor loops notice the stop within their 5 s poll
     deadline = time.time() + 30
     while kit_processes(workspace) and time.time() < deadline:

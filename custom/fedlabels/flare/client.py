@@ -49,11 +49,17 @@ def build_parser():
 
 
 def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict) -> tuple:
-    """Deliberately corrupt this site's update, to drill the server's fault handling."""
+    """Deliberately corrupt this site's update, to drill the server's fault handling. ``hang``: the
+    site keeps its trained update and never returns (a hospital that goes silent mid-round; the drill
+    ends when its process is killed)."""
     for fault in faults:
         where, kind, when = fault.split(":")
         if where != site or int(when) != rnd:
             continue
+        if kind == "hang":
+            print(f"fault drill: {site} hangs in round {rnd}", flush=True)
+            while True:
+                time.sleep(3600)
         key = next(k for k, v in weights.items() if v.dtype.kind == "f")
         if kind == "crash":
             raise RuntimeError(f"fault drill: {site} crashes in round {rnd}")
