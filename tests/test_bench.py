@@ -20,6 +20,7 @@ import io
 from pathlib import Path
 
 import pytest
+import torch
 from fedlabels import bench, cli, references
 from fedlabels.bundle import bundle_path
 
@@ -232,9 +233,24 @@ def test_oracle_rows_train_every_site_on_its_full_labels(tmp_path):
     assert code == 2 and "'oracle:nosuch' is not one of --methods" in err
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread here and in the simulator's sites: an exact comparison must not depend on the cores."""
+    from shared_runs import ONE_THREAD, environment
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with environment(ONE_THREAD):
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.simulator
-def test_flare_engine_matches_the_inprocess_engine(tmp_path):
-    """2 sites x 2 rounds in the FLARE simulator; the last global model scores as the in-process engine's."""
+def test_flare_engine_matches_the_inprocess_engine(tmp_path, one_thread):
+    """2 sites x 2 rounds in the FLARE simulator; the last global model scores as the in-process engine's
+    (one torch thread on both sides)."""
     common = ["bench", "--bundle", "medmnist_cnn", "--methods", "fedavg", "--seeds", "0", "--rounds", "2",
               "--batch-size", "8"]
     flare_out = tmp_path / "flare"
