@@ -75,3 +75,27 @@ def test_the_bundle_default_scales_as_the_preset():
     assert read("medmnist_cnn")["intensity"] == preset["intensity"]
     infer = json.loads((ROOT / "bundles" / "medmnist_cnn" / "configs" / "inference.json").read_text())
     assert infer["intensity"] == preset["intensity"]
+
+
+def test_reference_settings_follow_the_presets():
+    import reference_check as rc
+
+    assert rc.reference_settings("isofed") == {"lr": 0.001, "batch_size": 64, "epochs": 1, "scaling": "fixed",
+                                               "augment": "hflip"}
+    assert rc.reference_settings("fedmix") == {"lr": 0.001, "batch_size": 16, "epochs": 1, "weight_decay": 0.0001}
+    assert rc.reference_settings("cxr") == {"lr": 0.001, "batch_size": 16, "epochs": 1, "weight_decay": 0.0}
+
+
+def test_problems_flag_fewer_classes_and_a_gap_beyond_the_tolerance():
+    import reference_check as rc
+
+    def result(p, q):
+        return {"metric": "accuracy", "project": {"metrics": {5: {"accuracy": 0.5}, 20: p}},
+                "reference_run": {"metrics": {5: {"accuracy": 0.9}, 20: q}}}
+
+    ok = result({"accuracy": 0.80, "classes_predicted": 2}, {"accuracy": 0.81, "classes_predicted": 2})
+    assert rc.problems(ok, 0.02) == []  # only the last scored round counts
+    gap = result({"accuracy": 0.70, "classes_predicted": 2}, {"accuracy": 0.80, "classes_predicted": 2})
+    assert len(rc.problems(gap, 0.02)) == 1 and rc.problems(gap, 0.11) == []
+    collapsed = result({"accuracy": 0.80, "classes_predicted": 1}, {"accuracy": 0.80, "classes_predicted": 2})
+    assert ["class(es)" in p for p in rc.problems(collapsed, 0.02)] == [True]
