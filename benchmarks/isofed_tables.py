@@ -150,6 +150,7 @@ def _cell(values, run, method, metric="accuracy", paper=None):
     text = f"{mean:.1f}" + (f" ± {100 * float(np.std(vals, ddof=1)):.1f}" if len(vals) > 1 else "")
     collapsed = sum(1 for (r, m, s, mt), v in values.items() if r == run and m == method and mt == "predicted" and v == 1)
     text += f" ({collapsed}/{len(vals)} collapsed)" if collapsed else ""
+    text += f" (n = {len(vals)}, unfinished)" if len(vals) < 3 else ""  # one or two splits are no estimate
     return text + (f" / {paper:.1f}" if paper is not None else "")
 
 
