@@ -68,7 +68,7 @@ def weights(run_dir, name="FL_global_model.pt"):
 def in_process(spec, data, rounds=TINY["rounds"], **setup_options):
     """The in-process engine's run of ``spec`` on one torch thread (as each simulated site)."""
     setups = references.setups(REPO / "bundles" / spec.bundle, data, batch_size=TINY["batch_size"], seed=spec.seed,
-                               **setup_options)
+                               config=spec.config().bundle_config() or None, **setup_options)  # the job's preset
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
