@@ -14,6 +14,8 @@ reference-loop test and the static job checks (drift, filters, configuration). `
 Simulator runs are shared across modules (``sim_run``, tests/shared_runs.py): the scenario
 folders they read are session fixtures here, so a run asked for by two modules happens once.
 A test that asks for ``sim_run`` must carry the ``simulator`` marker (checked at collection).
+The runs the selected tests declare (a module's ``SHARED_RUNS``: test name -> its runs) start
+in the background when the session starts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 
 from fedlabels.data.synthetic import generate
 from shared_runs import SharedRuns
+
 
 def pytest_collection_modifyitems(config, items):
     unmarked = [item.nodeid for item in items  # fixturenames: every fixture the test needs, directly or not
@@ -34,7 +37,27 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def sim_run(tmp_path_factory):
     """``sim_run(spec, data, threads=None, env=None)`` -> (server run folder, log), once per session."""
-    return SharedRuns(tmp_path_factory)
+    runs = SharedRuns(tmp_path_factory)
+    yield runs
+    runs.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _prefetch_shared_runs(request):
+    """Start, in test order, the shared runs the selected tests declare in their module's ``SHARED_RUNS``
+    (test function name -> ``f(params)`` -> [(data fixture, key in it or None, job, sim_run options)])."""
+    planned = []
+    for item in request.session.items:
+        plans = getattr(getattr(item, "module", None), "SHARED_RUNS", None) or {}
+        plan = plans.get(getattr(item, "originalname", None))
+        if plan is not None:
+            planned += plan(item.callspec.params if hasattr(item, "callspec") else {})
+    if planned:
+        runs = request.getfixturevalue("sim_run")
+        for data_fixture, part, spec, options in planned:
+            data = request.getfixturevalue(data_fixture)
+            runs.prefetch(spec, data if part is None else data[part], **options)
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,14 @@ run.
 Runs a test expects to fail, or that change the shared folders, are not cached
 (``simulate_job``, into the test's own ``tmp_path``).
 
+A simulator run waits on process start-up far more than it computes (one run keeps
+about one of two cores busy), so the runs the session's selected tests will ask for
+start in the background as the session starts, two at a time (``SharedRuns.prefetch``;
+each simulator module declares its tests' runs in ``SHARED_RUNS``); a test asking for
+a run that has not started yet runs it at once itself. The simulator's environment is
+the one the session started with plus the run's changes, never a test's monkeypatched
+``os.environ``.
+
 Every run pins one torch thread per site (``OMP_NUM_THREADS=1``) unless the test
 asks otherwise: exact comparisons with the in-process engine pin one thread on
 their side too, and a site's sums must not change order with the machine's cores.
@@ -20,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -73,17 +83,36 @@ def environment(env: dict):
                 os.environ[k] = v
 
 
+def environ(env=None, base=None) -> dict:
+    """``base`` (default: ``os.environ`` now) with ``env`` applied (default ``ONE_THREAD``; None removes)."""
+    out = dict(os.environ if base is None else base)
+    for k, v in (ONE_THREAD if env is None else env).items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = str(v)
+    return out
+
+
+def prepare_job(spec, where: Path, tag: str = "") -> tuple:
+    """Export ``spec`` under ``where``: (job folder, log path). (In the main thread: the job API is not
+    known to be thread-safe.)"""
+    where = Path(where)
+    return export(spec, where / f"jobs{tag}"), where / f"{spec.name}{tag}.log"
+
+
+def run_job(spec, data, job_dir, log, tag="", threads=None, env=None, base=None, timeout=300) -> tuple:
+    run_dir = simulate(job_dir, Path(log).parent / f"ws{tag}", spec.sites, data=data, threads=threads or spec.sites,
+                       log=log, timeout=timeout, environ=environ(env, base))
+    return run_dir, log
+
+
 def simulate_job(spec, data, where: Path, tag: str = "", threads=None, env=None, timeout=300) -> tuple:
     """One simulator run of ``spec`` (already changed, see ``job``) on ``data`` under ``where``;
     (server run folder, log). ``threads``: worker processes, default one per site. ``env``: changes to
     the environment (default ``ONE_THREAD``)."""
-    where = Path(where)
-    job_dir = export(spec, where / f"jobs{tag}")
-    log = where / f"{spec.name}{tag}.log"
-    with environment(ONE_THREAD if env is None else env):
-        run_dir = simulate(job_dir, where / f"ws{tag}", spec.sites, data=data, threads=threads or spec.sites,
-                           log=log, timeout=timeout)
-    return run_dir, log
+    job_dir, log = prepare_job(spec, where, tag)
+    return run_job(spec, data, job_dir, log, tag, threads=threads, env=env, timeout=timeout)
 
 
 def key(spec, data, threads, env) -> str:
@@ -94,24 +123,51 @@ def key(spec, data, threads, env) -> str:
 
 class SharedRuns:
     """``sim_run(spec, data, threads=None, env=None)`` -> (server run folder, log): each distinct
-    run once per session, in its own temporary folder. ``spec``: a changed job (see ``job``)."""
+    run once per session, in its own temporary folder. ``spec``: a changed job (see ``job``).
+    ``prefetch`` starts a run in the background (``workers`` at a time). Called from the main
+    thread only; the background threads only wait for simulator processes."""
 
-    def __init__(self, tmp_path_factory):
-        self.factory, self.cache = tmp_path_factory, {}
+    def __init__(self, tmp_path_factory, workers=2):
+        self.factory, self.base = tmp_path_factory, dict(os.environ)  # the environment the session started with
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="shared-run")
+        self.futures, self.asked = {}, set()
+
+    def _start(self, spec, data, threads, env, background) -> Future:
+        job_dir, log = prepare_job(spec, self.factory.mktemp(f"sim-{spec.name}"))
+        args = (spec, data, job_dir, log)
+        options = dict(threads=threads, env=env, base=self.base)
+        if background:
+            return self.pool.submit(run_job, *args, **options)
+        future = Future()
+        try:
+            future.set_result(run_job(*args, **options))
+        except Exception as e:  # the next test asking for this run fails at once, without running it again
+            future.set_exception(e)
+        return future
+
+    def prefetch(self, spec, data, threads=None, env=None) -> None:
+        k = key(spec, data, threads, env)
+        if k not in self.futures:
+            self.futures[k] = self._start(spec, data, threads, env, background=True)
 
     def __call__(self, spec, data, threads=None, env=None) -> tuple:
         k = key(spec, data, threads, env)
-        if k not in self.cache:
-            where = self.factory.mktemp(f"sim-{spec.name}")
-            try:
-                self.cache[k] = simulate_job(spec, data, where, threads=threads, env=env)
-            except Exception as e:  # the next test asking for this run fails at once, without running it again
-                self.cache[k] = e
-                raise
-        if isinstance(self.cache[k], Exception):
-            raise RuntimeError(f"this session's shared run of {spec.name} failed: {self.cache[k]}")
-        return self.cache[k]
+        self.asked.add(k)
+        future = self.futures.get(k)
+        if future is None or future.cancel():  # not started yet: run it here, now
+            self.futures[k] = future = self._start(spec, data, threads, env, background=False)
+        try:
+            return future.result()
+        except Exception as e:
+            raise RuntimeError(f"this session's shared run of {spec.name} failed: {e}") from e
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        unused = [json.loads(k)[0]["name"] for k, f in self.futures.items() if k not in self.asked and f.done()
+                  and not f.cancelled()]
+        if unused:  # a SHARED_RUNS entry that no test asked for in the same form: a wasted run
+            warnings.warn(f"shared simulator runs started and never asked for: {unused}")
 
     @property
     def runs(self) -> int:
-        return len(self.cache)
+        return len(self.futures)

@@ -34,12 +34,28 @@ def lesion(lesion_data):
     return lesion_data
 
 
+def lesion_job(name):
+    return job(name, image_size=32, **CHANGES.get(name, {}))
+
+
 @pytest.fixture(scope="module")
 def runs(sim_run, lesion):
     """``runs(name, kind="bbox")`` -> the server run folder of the job on ``lesion[kind]`` (32 px), once per session."""
     def get(name, kind="bbox"):
-        return sim_run(job(name, image_size=32, **CHANGES.get(name, {})), lesion[kind])[0]
+        return sim_run(lesion_job(name), lesion[kind])[0]
     return get
+
+
+# The shared runs each test asks for, started in the background as the session starts (tests/conftest.py).
+SHARED_RUNS = {
+    "test_fedmix_job_federates_two_unets_with_adaptive_weights":
+        lambda p: [("lesion_data", "bbox", lesion_job("fedmix_lesion"), {})],
+    "test_fedst_job_self_trains_the_image_level_site_after_warmup":
+        lambda p: [("lesion_data", "image", lesion_job("fedst_lesion"), {})],
+    "test_full_label_jobs_train_every_site_on_its_masks": lambda p: [("lesion_data", "bbox", lesion_job(p["name"]), {})],
+    "test_exported_fedmix_bundle_writes_masks_for_png_and_nifti":
+        lambda p: [("lesion_data", "bbox", lesion_job("fedmix_lesion"), {})],
+}
 
 
 def rounds(run_dir):

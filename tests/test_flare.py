@@ -119,6 +119,18 @@ def test_committed_jobs_match_their_code(tmp_path):
         assert not diffs, f"nvflare_jobs/{name} drifted from fedlabels.flare.job ({diffs}); run `fedlabels jobs`"
 
 
+def other_task(name, changes):
+    """fedavg_medmnist on the session's medmnist scenario; fedavg_lesion on its 32 px pixel + box scenario."""
+    return (("medmnist_data", None) if JOBS[name].family == "medmnist" else ("lesion_data", "bbox")), job(name, **changes)
+
+
+def semi_supervised(name):
+    return job(name, server={**JOBS[name].server, **SEMI_SUPERVISED[name][0]})
+
+
+HALF = (job("fedavg_cxr", transfer="float16"), {"env": {"OMP_NUM_THREADS": None}})
+
+
 @pytest.fixture(scope="module")
 def job_runs(sim_run, data):
     """``job_runs(name)`` -> (server run folder, log): the job's smoke run, once per session."""
@@ -192,8 +204,10 @@ def test_every_cxr_job_runs_in_the_simulator(name, job_runs, data):
 def test_multiclass_and_segmentation_jobs_run_in_the_simulator(name, changes, metric, sim_run, medmnist_data,
                                                                lesion_data):
     spec = JOBS[name]
-    family_data = medmnist_data if spec.family == "medmnist" else lesion_data["bbox"]
-    run_dir, log = sim_run(job(name, **changes), family_data)
+    (fixture, part), changed = other_task(name, changes)
+    family_data = {"medmnist_data": medmnist_data, "lesion_data": lesion_data}[fixture]
+    family_data = family_data if part is None else family_data[part]
+    run_dir, log = sim_run(changed, family_data)
     recs = rounds(run_dir)
     assert [r["round"] for r in recs] == [0, 1] and all(r["aggregated"] and not r["dropped"] for r in recs)
     # sites with nothing a supervised method can learn from abstain (weight 0), they do not fail
@@ -209,7 +223,7 @@ def test_multiclass_and_segmentation_jobs_run_in_the_simulator(name, changes, me
 def half_run(sim_run, data):
     """fedavg_cxr with half-precision transfer, the sites' torch threads left to the controller
     (no OMP_NUM_THREADS in the simulator's environment)."""
-    return sim_run(job("fedavg_cxr", transfer="float16"), data, env={"OMP_NUM_THREADS": None})
+    return sim_run(HALF[0], data, **HALF[1])
 
 
 @pytest.mark.simulator
@@ -236,10 +250,13 @@ def test_flare_and_in_process_engine_give_the_same_weights(name, job_runs, data)
         np.testing.assert_allclose(flare_w[k], v, rtol=0, atol=1e-6, err_msg=k)
 
 
+FAULTS = ["site-2:keys:0", "site-3:no_n:0", "site-2:nan:1", "site-3:shape:1", "site-4:crash:1"]
+NEVER_AGGREGATES = [f"site-{s}:nan:{r}" for s in (1, 2) for r in (0, 1)]
+
+
 @pytest.mark.simulator
-def test_bad_updates_and_crashes_are_dropped_and_rounds_complete(tmp_path, data):
-    faults = ["site-2:keys:0", "site-3:no_n:0", "site-2:nan:1", "site-3:shape:1", "site-4:crash:1"]
-    run_dir, log = simulate_job(job("fedavg_pl_cxr", sites=4, faults=faults), data, tmp_path)
+def test_bad_updates_and_crashes_are_dropped_and_rounds_complete(sim_run, data):
+    run_dir, log = sim_run(job("fedavg_pl_cxr", sites=4, faults=FAULTS), data)
     recs = rounds(run_dir)
     assert sorted(recs[0]["dropped"]) == ["site-2", "site-3"] and recs[0]["aggregated"]
     assert "case count" in recs[0]["dropped"]["site-3"]  # never weighted 1
@@ -303,14 +320,14 @@ def test_resume_is_exact(tmp_path, data, job_runs):
 
 
 @pytest.mark.simulator
-def test_sites_taking_turns_in_fewer_processes_continue_their_state(tmp_path, data, job_runs):
+def test_sites_taking_turns_in_fewer_processes_continue_their_state(sim_run, data, job_runs):
     """nvflare's simulator with fewer threads than sites starts a new process for every
     site task; each site continues its saved state (FedBN: its own batch norm and Adam
     moments), so the run equals the one with a long-lived process per site: the same
     metrics round by round and the same weights, which is also the same-seed rerun. (One
     torch thread in both runs: another thread count changes the sums' order, not the state.)"""
     straight, _ = job_runs("fedbn_cxr")  # a process per site, one torch thread
-    turns, log = simulate_job(job("fedbn_cxr"), data, tmp_path, "turns", threads=1)
+    turns, log = sim_run(job("fedbn_cxr"), data, threads=1)  # one worker process: the sites take turns
     text = log.read_text()
     for site in ("site-1", "site-2"):  # round 1 runs in a new process
         assert f"[{site}] continued its state of this run" in text
@@ -353,10 +370,9 @@ def uploads(run_dir) -> list:
 
 
 @pytest.mark.simulator
-def test_a_run_that_never_aggregates_fails_with_the_reason(tmp_path, data):
-    faults = [f"site-{s}:nan:{r}" for s in (1, 2) for r in (0, 1)]
+def test_a_run_that_never_aggregates_fails_with_the_reason(sim_run, data):
     with pytest.raises(RuntimeError, match="no round aggregated"):
-        simulate_job(job("fedavg_cxr", faults=faults), data, tmp_path)
+        sim_run(job("fedavg_cxr", faults=NEVER_AGGREGATES), data)
 
 
 @pytest.mark.simulator
@@ -538,7 +554,7 @@ def test_semi_supervised_jobs_run_in_the_simulator(name, sim_run, medmnist_data,
     """Site-1 labeled, site-2 unlabeled. mt_wfedavg_medmnist has no run of its own (COVERED_BY):
     its steps are wfedavg's and its unlabeled site's rule is rscfed's."""
     server, steps = SEMI_SUPERVISED[name]
-    spec = job(name, server={**JOBS[name].server, **server})
+    spec = semi_supervised(name)
     run_dir, log = sim_run(spec, medmnist_data)
     recs = rounds(run_dir)
     assert [r["round"] for r in recs] == [0, 1]
@@ -615,3 +631,30 @@ def test_fedmlp_sends_prototypes_from_the_last_warmup_round_and_tags_in_stage_2(
             assert set(extras) == {"prototypes", "degree"}, extras
             assert set(extras["prototypes"]) <= own and extras["prototypes"], (site, extras["prototypes"])
     assert "prototype for class" not in log.read_text()  # the server dropped none
+
+
+def _cxr(*names):
+    return [("cxr_data", None, smoke(name), {}) for name in names]
+
+
+# The shared runs each test asks for, started in the background as the session starts (tests/conftest.py).
+SHARED_RUNS = {
+    "test_every_cxr_job_runs_in_the_simulator": lambda p: _cxr(p["name"]),
+    "test_multiclass_and_segmentation_jobs_run_in_the_simulator":
+        lambda p: [(*other_task(p["name"], p["changes"])[0], other_task(p["name"], p["changes"])[1], {})],
+    "test_simulated_sites_share_the_cores_without_fedlabels_simulate": lambda p: [("cxr_data", None, *HALF)],
+    "test_flare_and_in_process_engine_give_the_same_weights": lambda p: _cxr(p["name"]),
+    "test_resume_is_exact": lambda p: _cxr("fedbn_cxr"),
+    "test_sites_taking_turns_in_fewer_processes_continue_their_state":
+        lambda p: _cxr("fedbn_cxr") + [("cxr_data", None, job("fedbn_cxr"), {"threads": 1})],
+    "test_bad_updates_and_crashes_are_dropped_and_rounds_complete":
+        lambda p: [("cxr_data", None, job("fedavg_pl_cxr", sites=4, faults=FAULTS), {})],
+    "test_a_run_that_never_aggregates_fails_with_the_reason":
+        lambda p: [("cxr_data", None, job("fedavg_cxr", faults=NEVER_AGGREGATES), {})],
+    "test_half_precision_transfer_runs_in_the_simulator": lambda p: [("cxr_data", None, *HALF)] + _cxr("fedavg_cxr"),
+    "test_one_configuration_reaches_server_and_sites": lambda p: _cxr("fedprox_cxr"),
+    "test_fedbn_batch_norm_never_leaves_a_site_and_its_personal_model_carries_it": lambda p: _cxr("fedbn_cxr"),
+    "test_semi_supervised_jobs_run_in_the_simulator":
+        lambda p: [("medmnist_data", None, semi_supervised(p["name"]), {})],
+    "test_fedmlp_sends_prototypes_from_the_last_warmup_round_and_tags_in_stage_2": lambda p: _cxr("fedmlp_cxr"),
+}

@@ -240,6 +240,10 @@ def test_the_server_reports_each_site_and_refuses_exact_counts_when_asked(data):
     assert privacy.server_lines({"site-2": exact["site-2"]}, required=False) == []
 
 
+SHARED_RUNS = {"test_the_server_receives_the_noised_summary_in_every_message":  # started as the session starts
+               lambda p: [("cxr_data", None, smoke("fedpsl_cxr"), {})]}
+
+
 @pytest.mark.simulator
 def test_the_server_receives_the_noised_summary_in_every_message(sim_run, cxr_data):
     """2 sites x 2 rounds of FedPSL in nvflare's simulator with the option in fedlabels.json

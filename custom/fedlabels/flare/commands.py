@@ -107,7 +107,7 @@ def default_threads(sites: int, memory_mib: int | None = None, cores: int | None
 
 
 def simulate(job_dir, workspace, sites: int, data=None, threads=None, log=None, timeout=None,
-             retries=1) -> Path:
+             retries=1, environ=None) -> Path:
     """Run ``nvflare simulator`` on a job folder; returns the server's run folder.
 
     The simulator's exit code does not say whether training finished (it is 0
@@ -118,10 +118,12 @@ def simulate(job_dir, workspace, sites: int, data=None, threads=None, log=None, 
     (default: ``WORKSPACE.log`` beside the workspace). ``threads``: simulator
     worker processes (nvflare's ``-t``), default ``default_threads(sites)``; with
     fewer than ``sites``, each process's torch threads are its share of the cores.
+    ``environ``: the simulator's environment (default: this process's), so that runs
+    started from several threads need not change ``os.environ``.
     """
     job_dir, workspace = Path(job_dir), Path(workspace)
     threads = threads or default_threads(sites)
-    env = dict(os.environ)
+    env = dict(os.environ if environ is None else environ)
     if threads < sites:  # the server sizes sites by their number; here fewer run at once
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // threads)))
     if data:
