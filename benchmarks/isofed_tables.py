@@ -267,7 +267,7 @@ def main(argv=None):
     p.add_argument("--datasets", default="bloodmnist,pneumoniamnist")
     p.add_argument("--gammas", default="0.8,0.5")
     p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--seeds", default="0")
+    p.add_argument("--seeds", default="0,1,2", help="seeds of the L:U = 3:1 and 2:2 rows (each its own split)")
     p.add_argument("--seeds-13", default="0,1,2", help="seeds of the L:U = 1:3 rows")
     p.add_argument("--labeled", default="1,3,2", help="which L (labeled sites of 4) to run, in this order")
     p.add_argument("--protocol", default="isofed", help="the preset every row trains with ('' = the bundle's defaults)")
