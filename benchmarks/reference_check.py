@@ -36,7 +36,7 @@ from reference import fedavg_classification, fedavg_multilabel, fedavg_segmentat
 # What the reference needs of a preset, read from the preset itself (so a preset edit reaches both sides).
 # protocol -> (reference loop, the metric compared)
 REFERENCES = {"isofed": ("classification", "accuracy"), "fedmix": ("segmentation", "dice"),
-              "cxr": ("multilabel", "auroc")}
+              "cxr": ("multilabel", "auroc"), "fedmlp_blood": ("multilabel", "auroc")}
 LOOPS = {"classification": fedavg_classification, "segmentation": fedavg_segmentation,
          "multilabel": fedavg_multilabel}
 # how far the project may sit from the reference (mean over splits, every eval round)
@@ -80,14 +80,19 @@ def reference_settings(protocol: str) -> dict:
     kind = REFERENCES[protocol][0]
     expected = {"classification": {("fixed", "hflip"), ("fixed", "dihedral"), ("minmax", "hflip"), ("minmax", "dihedral"),
                                    ("fixed", "none"), ("minmax", "none")},
-                "segmentation": {("minmax", "dihedral")}, "multilabel": {("minmax", "affine_contrast")}}[kind]
+                "segmentation": {("minmax", "dihedral")},
+                "multilabel": {("minmax", "affine_contrast"), ("fixed", "affine_contrast")}}[kind]
     if (scaling, augment) not in expected:
         raise ValueError(f"{where}: the {kind} reference has no equivalent of scaling {scaling} with {augment}")
     if kind == "classification":
         if p.client.get("weight_decay", 0.0):
             raise ValueError(f"{where}: field 'federated.client.weight_decay': the classification reference has none")
         return {**common, "scaling": scaling, "augment": augment}
-    return {**common, "weight_decay": p.client.get("weight_decay", 0.0)}
+    if kind == "segmentation":
+        return {**common, "weight_decay": p.client.get("weight_decay", 0.0)}
+    widen = cfg["network_def"].get("widen_factor")  # a preset may narrow the ResNet-18 (MONAI's widen_factor)
+    return {**common, "weight_decay": p.client.get("weight_decay", 0.0), "scaling": scaling,
+            **({"widen": float(widen)} if widen else {})}
 
 
 def project_cell(protocol: str, data: Path, seed: int, rounds: int, eval_rounds: list, work: Path,

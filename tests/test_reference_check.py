@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +84,24 @@ def test_reference_settings_follow_the_presets():
     assert rc.reference_settings("isofed") == {"lr": 0.001, "batch_size": 64, "epochs": 1, "scaling": "fixed",
                                                "augment": "hflip"}
     assert rc.reference_settings("fedmix") == {"lr": 0.001, "batch_size": 16, "epochs": 1, "weight_decay": 0.0001}
-    assert rc.reference_settings("cxr") == {"lr": 0.001, "batch_size": 16, "epochs": 1, "weight_decay": 0.0}
+    assert rc.reference_settings("cxr") == {"lr": 0.001, "batch_size": 16, "epochs": 1, "weight_decay": 0.0,
+                                            "scaling": "minmax"}
+    assert rc.reference_settings("fedmlp_blood") == {"lr": 0.001, "batch_size": 16, "epochs": 1, "weight_decay": 0.0,
+                                                     "scaling": "fixed", "widen": 0.25}
+
+
+def test_multilabel_reference_scalings(tmp_path):
+    """The multi-label reference reads its images itself: fixed = x / 127.5 - 1, minmax = each image to [0, 1]."""
+    from PIL import Image
+    from reference import fedavg_multilabel as ml
+
+    Image.fromarray(np.array([[0, 51], [102, 204]], dtype=np.uint8)).save(tmp_path / "a.png")
+    items = [{"image": "a.png", "label": [1, 0]}]
+    fixed, y = ml.load_split(tmp_path, items, "fixed")
+    assert np.allclose(fixed.numpy().ravel(), [-1.0, 51 / 127.5 - 1, 102 / 127.5 - 1, 204 / 127.5 - 1])
+    minmax, _ = ml.load_split(tmp_path, items, "minmax")
+    assert np.allclose(minmax.numpy().ravel(), [0.0, 0.25, 0.5, 1.0])
+    assert y.tolist() == [[1.0, 0.0]]
 
 
 def test_problems_flag_fewer_classes_and_a_gap_beyond_the_tolerance():

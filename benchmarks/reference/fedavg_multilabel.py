@@ -67,11 +67,14 @@ class ResNet18(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1).flatten(1))
 
 
-def load_split(folder: Path, items: list):
+def load_split(folder: Path, items: list, scaling: str = "minmax"):
     images = np.stack([np.asarray(Image.open(folder / it["image"]).convert("L"), dtype=np.float32)[None]
                        for it in items])
-    lo, hi = images.min(axis=(1, 2, 3), keepdims=True), images.max(axis=(1, 2, 3), keepdims=True)
-    images = (images - lo) / np.maximum(hi - lo, 1e-8)
+    if scaling == "fixed":  # the 0-255 range to [-1, 1] (MedMNIST's Normalize(0.5, 0.5))
+        images = images / 127.5 - 1.0
+    else:  # each image by its own min and max, to [0, 1]
+        lo, hi = images.min(axis=(1, 2, 3), keepdims=True), images.max(axis=(1, 2, 3), keepdims=True)
+        images = (images - lo) / np.maximum(hi - lo, 1e-8)
     return torch.from_numpy(images), torch.tensor([it["label"] for it in items], dtype=torch.float32)
 
 
@@ -109,13 +112,13 @@ def macro_auroc(net, images, labels) -> float:
 
 
 def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 1e-3, weight_decay: float = 0.0,
-        batch_size: int = 16, epochs: int = 1, widen: float = 1.0, log=print) -> dict:
+        batch_size: int = 16, epochs: int = 1, widen: float = 1.0, scaling: str = "minmax", log=print) -> dict:
     data = Path(data)
     scenario = yaml.safe_load((data / "scenario.yaml").read_text())
     classes = len(scenario["classes"])
-    sites = [load_split(data / s, json.loads((data / s / "oracle.json").read_text())["training"])
+    sites = [load_split(data / s, json.loads((data / s / "oracle.json").read_text())["training"], scaling)
              for s in scenario["sites"]]
-    test = load_split(data / "test", json.loads((data / "test" / "datalist.json").read_text())["testing"])
+    test = load_split(data / "test", json.loads((data / "test" / "datalist.json").read_text())["testing"], scaling)
     pos_weights = []
     for _, y in sites:  # N_neg / N_pos per class of the site's own cases; 1 where a class lacks either
         pos, neg = y.sum(0), (1 - y).sum(0)

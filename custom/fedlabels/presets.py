@@ -19,7 +19,8 @@ from pathlib import Path
 
 # preset -> the bundle that holds it (the paper's network)
 PRESETS = {"isofed": "medmnist_cnn", "fedmix": "lesion_unet", "surgical": "cxr_densenet121",
-           "fedpsl": "cxr_densenet121", "fedmlp": "cxr_resnet18", "cxr": "cxr_resnet18"}
+           "fedpsl": "cxr_densenet121", "fedmlp": "cxr_resnet18", "cxr": "cxr_resnet18",
+           "fedmlp_blood": "cxr_resnet18"}
 # what a preset's federated.client section may set (every ClientRule takes these)
 CLIENT_KEYS = ("optimizer", "lr", "weight_decay", "reset_optimizer")
 
