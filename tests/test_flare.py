@@ -290,7 +290,12 @@ def test_bad_site_profiles_stop_the_job_before_training(tmp_path, data):
     text = (tmp_path / "surgical_cxr.log").read_text()
     for message in ("site-2/profile.yaml: field 'annotated': the site annotates no class",
                     "site-1/profile.yaml: field 'classes': class list"):
-        assert message in text
+        assert message in text  # the site's own log
+    # what the server was told names the field, never the hospital's path or file name
+    # (the server stops at the first site's report)
+    told = re.findall(r"FATAL_SYSTEM_ERROR received: (site-\d: [^\n]*)", text)
+    assert told and all(re.match(r"site-\d: <local file>: field '(annotated|classes)'", t) for t in told), told
+    assert not any("profile.yaml" in t or "/tmp" in t for t in told), told
     assert "round 0 site-" not in text  # no round was trained
 
 

@@ -170,28 +170,58 @@ def test_release_is_post_processed_into_valid_counts(data):
 
 
 def test_a_release_is_kept_and_reused_and_new_releases_compose(data, tmp_path):
+    """One ledger per site: the same data and options reuse the release (another run, another workspace);
+    other options or data make a new release, and every release of the site composes, whatever its data."""
     site = load_scenario(data).site("site-1")
-    store = tmp_path / "site-1.privacy.json"
+    ledger = tmp_path / "ledger.json"
     opts = privacy.options(OPTS)
-    first, reused = privacy.release(site.profile, site.training, opts, store)
+    first, reused = privacy.release(site.profile, site.training, opts, ledger, note="job-a")
     assert not reused and first[privacy.REPORT]["releases"] == 1
     assert first[privacy.REPORT]["epsilon"] == privacy.epsilon(1.0, 1e-5)
-    again, reused = privacy.release(site.profile, site.training, opts, store)
-    assert reused and again == first  # a new process of the same run, or a later run on the same data
-    assert "fingerprint" in json.loads(store.read_text())
+    assert first[privacy.REPORT]["exact"][0] == "n" and first[privacy.REPORT]["unit"] == "image"
+    again, reused = privacy.release(site.profile, site.training, opts, ledger, note="job-b")
+    assert reused and again == first  # a new process of the same run, or a later run or job on the same data
+    entries = json.loads(ledger.read_text())["sites"]["site-1"]
+    assert len(entries) == 1 and "fingerprint" in entries[0] and entries[0]["note"] == "job-a"
     # other options: a new release; the report composes both with the accountant
-    other, reused = privacy.release(site.profile, site.training, privacy.options({**OPTS, "noise_multiplier": 2.0}), store)
+    other, reused = privacy.release(site.profile, site.training, privacy.options({**OPTS, "noise_multiplier": 2.0}),
+                                    ledger)
     acc = RDPAccountant()
     acc.step(noise_multiplier=1.0, sample_rate=1.0)
     acc.step(noise_multiplier=2.0, sample_rate=1.0)
     assert not reused and other[privacy.REPORT]["releases"] == 2
     assert other[privacy.REPORT]["epsilon"] == acc.get_epsilon(delta=1e-5)
-    # changed data: a new release as well
-    _, reused = privacy.release(site.profile, site.training[1:], privacy.options({**OPTS, "noise_multiplier": 2.0}), store)
+    # changed data: a new release as well, composed with the two before
+    third, reused = privacy.release(site.profile, site.training[1:], privacy.options({**OPTS, "noise_multiplier": 2.0}),
+                                    ledger)
+    acc.step(noise_multiplier=2.0, sample_rate=1.0)
+    assert not reused and third[privacy.REPORT]["releases"] == 3
+    assert privacy.spent(ledger, "site-1", 1e-5) == (pytest.approx(acc.get_epsilon(delta=1e-5)), 3)
+    # another site at the same ledger has its own account
+    two = load_scenario(data).site("site-2")
+    s2, _ = privacy.release(two.profile, two.training, opts, ledger)
+    assert s2[privacy.REPORT]["releases"] == 1 and privacy.spent(ledger, "site-1", 1e-5)[1] == 3
+    # without a ledger nothing is kept
+    _, reused = privacy.release(site.profile, site.training, opts)
     assert not reused
-    store.write_text("{truncated")
-    with pytest.raises(ValueError, match=rf"^{store}: not valid JSON"):
-        privacy.release(site.profile, site.training, opts, store)
+    ledger.write_text("{truncated")
+    with pytest.raises(ValueError, match=rf"^{ledger}: not valid JSON"):
+        privacy.release(site.profile, site.training, opts, ledger)
+
+
+def test_the_ledger_survives_concurrent_releases(data, tmp_path):
+    """Two jobs of one hospital releasing at once (two processes): both releases are recorded."""
+    import subprocess
+    import sys
+
+    ledger = tmp_path / "ledger.json"
+    code = ("import sys; from fedlabels import privacy; from fedlabels.profile import load_scenario; "
+            "s = load_scenario(sys.argv[1]).site('site-1'); "
+            "privacy.release(s.profile, s.training[int(sys.argv[3]):], privacy.options("
+            "{'noise_multiplier': 1.0, 'clip': 4.0, 'delta': 1e-5}), sys.argv[2])")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(data), str(ledger), str(k)]) for k in range(4)]
+    assert [p.wait() for p in procs] == [0, 0, 0, 0]
+    assert len(json.loads(ledger.read_text())["sites"]["site-1"]) == 4
 
 
 def test_the_site_sends_and_trains_with_the_one_noised_summary(data, tmp_path, monkeypatch):
@@ -203,6 +233,7 @@ def test_the_site_sends_and_trains_with_the_one_noised_summary(data, tmp_path, m
     from fedlabels.methods.fedpsl import TDMAServer
 
     monkeypatch.setenv("FEDLABELS_STATE", str(tmp_path / "state"))
+    monkeypatch.setenv("FEDLABELS_PRIVACY_LEDGER", str(tmp_path / "ledger.json"))
     cfg = RunConfig("fedpsl", data={"family": "cxr", "batch_size": 4}, privacy=dict(OPTS))
     args = build_parser().parse_args(["--data", str(data), "--device", "cpu"])
     setup, client = prepare(cfg, args, "site-1", None)
@@ -232,7 +263,8 @@ def test_the_server_reports_each_site_and_refuses_exact_counts_when_asked(data):
               for s in ("site-1", "site-2")}
     lines = privacy.server_lines(noised, required=True)
     assert lines == [f"privacy: {s}: label summary noised (Gaussian, noise_multiplier=1, clip=4): "
-                     f"(epsilon=4.729, delta=1e-05) spent over 1 release of these counts (opacus RDP accountant)"
+                     f"(epsilon=4.729, delta=1e-05) spent over 1 release of this site's counts (opacus RDP "
+                     f"accountant), per image, not per patient; n, sent exactly every round, gives the case count"
                      for s in ("site-1", "site-2")]
     exact = {"site-1": noised["site-1"], "site-2": sc.site("site-2").summary()}
     with pytest.raises(ValueError, match="site-2 sent an exact label summary"):
@@ -282,3 +314,17 @@ def test_a_validation_reply_carries_no_per_case_values_and_no_counts_under_priva
     assert shareable(result, counts=True) == {"dice": 0.8, "per_class": {"a": {"auroc": 0.7, "n_pos": 3, "n_neg": 9},
                                                                           "b": {"auroc": None, "n_pos": 0, "n_neg": 12}}}
     assert shareable(result, counts=False) == {"dice": 0.8, "per_class": {"a": {"auroc": 0.7}, "b": {"auroc": None}}}
+
+
+def test_an_error_sent_to_the_server_names_no_local_path_or_file():
+    from fedlabels.flare.client import redact
+
+    assert redact("/data/hospital/site-1/datalist.json: field 'training': no training cases") == \
+        "<local file>: field 'training': no training cases (the site's log has the full message)"
+    assert redact("scans/patient_0042.dcm: not a DICOM file; see C:\\PACS\\export") == \
+        "<local file>: not a DICOM file; see <local file> (the site's log has the full message)"
+    assert redact("profile.yaml: field 'classes': class list").startswith("<local file>: field 'classes'")
+    # numbers, dotted names and plain reasons pass unchanged
+    assert redact("training loss is NaN at round 3 (lr 0.001, torch.float32)") == \
+        "training loss is NaN at round 3 (lr 0.001, torch.float32) (the site's log has the full message)"
+    assert redact(None) is None and redact("") == ""

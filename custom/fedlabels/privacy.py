@@ -20,29 +20,46 @@ The (epsilon, delta) this spends comes from opacus's ``RDPAccountant`` (a
 maintained accountant; sample rate 1: every case is in the release).
 
 One release per run, reused for every message. The noised summary is drawn
-once, before round 0, kept in the site's state folder, and sent unchanged in
-the handshake and in every training update: resending the same numbers is
-post-processing and spends nothing, whereas fresh noise each round would spend
-the budget again every round (and averaging the rounds would undo the noise).
-A later run on the same data with the same options reuses the stored release
-too; changed data or options make a new release, and the accountant composes
-all releases the store has recorded.
+once, before round 0, and sent unchanged in the handshake and in every
+training update: resending the same numbers is post-processing and spends
+nothing, whereas fresh noise each round would spend the budget again every
+round (and averaging the rounds would undo the noise).
+
+One ledger per site (``ledger_path``: ``FEDLABELS_PRIVACY_LEDGER``, default
+``~/.fedlabels/privacy-ledger.json``, outside any nvflare workspace so that a
+new workspace does not reset it) records every release of every job and run,
+under a file lock (two jobs at one hospital may start at once). A later run on
+the same data with the same options reuses its release at no further cost;
+changed data or options make a new release, and the reported epsilon composes
+every release the ledger holds for the site, whatever data it came from (the
+cases of two datasets at one hospital may be the same patients').
+
+The unit is one image (one training case), not one patient: a patient with k
+images in the site's data is protected at roughly k times the epsilon (group
+privacy).
 
 The noise comes from the operating system's random source (``SystemRandom``),
 never from the run's seed: the server knows that seed and could subtract the
 noise. ``seed`` exists for tests only.
 
-What this does not cover: the weights, ``n`` (the FedAvg weight, which tells
-the number of cases trained on), the training loss and validation metrics
-still leave exact (docs/deployment.md section 6).
+What this does not cover (``EXACT``; docs/deployment.md section 6 lists every
+statistic that leaves a site): ``n``, the FedAvg weight, leaves exact every
+round and gives the number of cases trained on, so the noised ``cases`` (and,
+at a site that annotates every case, the noised ``annotated`` counts) protect
+nothing beyond it; the weights, the training loss, the validation metrics and
+each method's own statistics leave exact too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
+import os
 import random
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -51,6 +68,10 @@ import numpy as np
 from .profile import SiteProfile, label_summary, write_json_atomic
 
 NOISED = ("cases", "annotated", "positives")  # the label summary's fields that carry noise
+# what leaves exact beside them: n gives the case count (and the annotated counts of a fully annotated site)
+EXACT = ("n", "site", "task", "supervision", "labeled_mask")
+UNIT = "image"                                 # the guarantee is per image (training case), not per patient
+LEDGER_ENV = "FEDLABELS_PRIVACY_LEDGER"
 REPORT = "privacy"                             # the summary's key for the (epsilon, delta) report
 ACCOUNTANT = "opacus.accountants.RDPAccountant"
 
@@ -167,34 +188,80 @@ def fingerprint(profile: SiteProfile, items: list, opts: Options) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def release(profile: SiteProfile, items: list, opts: Options, store: Path | None = None,
-            seed: int | None = None) -> tuple:
-    """The site's noised label summary with its (epsilon, delta) report under ``"privacy"``,
-    and whether it was reused from ``store``.
+def ledger_path() -> Path:
+    """The site's privacy ledger: ``FEDLABELS_PRIVACY_LEDGER``, else ``~/.fedlabels/privacy-ledger.json``."""
+    env = os.environ.get(LEDGER_ENV)
+    return Path(env) if env else Path.home() / ".fedlabels" / "privacy-ledger.json"
 
-    ``store`` (a JSON file in the site's state folder) keeps the release: the
-    same data and options get the same numbers back, at no further cost; a new
-    release is appended to the store's record, and the report's epsilon
-    composes every release recorded there. ``seed`` is for tests only."""
-    key = fingerprint(profile, items, opts)
-    kept = {}
-    if store is not None and Path(store).is_file():
+
+@contextlib.contextmanager
+def _locked(ledger: Path):
+    """An exclusive lock on the ledger for a read-modify-write (another job's site may release at once)."""
+    ledger.parent.mkdir(parents=True, exist_ok=True)
+    with open(ledger.with_name(ledger.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            kept = json.loads(Path(store).read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{store}: not valid JSON ({e}); remove it to release the summary anew, "
-                             "which spends privacy again") from None
-    if kept.get("fingerprint") == key:
-        return kept["summary"], True
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def read_ledger(ledger: Path) -> dict:
+    if not Path(ledger).is_file():
+        return {"sites": {}}
+    try:
+        doc = json.loads(Path(ledger).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{ledger}: not valid JSON ({e}); restore it from a backup: it records what this "
+                         "site's releases have spent, and a new one would start counting from zero") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("sites"), dict):
+        raise ValueError(f"{ledger}: field 'sites': expected a mapping of site -> releases")
+    return doc
+
+
+def spent(ledger: Path, site: str, delta: float) -> tuple:
+    """(epsilon, releases): everything the ledger records for ``site``, composed at ``delta``."""
+    releases = read_ledger(ledger)["sites"].get(site, [])
+    return (composed_epsilon([r["noise_multiplier"] for r in releases], delta) if releases else 0.0), len(releases)
+
+
+def release(profile: SiteProfile, items: list, opts: Options, ledger: Path | None = None,
+            seed: int | None = None, note: str = "") -> tuple:
+    """The site's noised label summary with its (epsilon, delta) report under ``"privacy"``,
+    and whether it was reused from ``ledger``.
+
+    ``ledger`` (``ledger_path()``) keeps every release of the site: the same
+    data and options get the same numbers back, at no further cost; a new
+    release is appended, and the report's epsilon composes every release the
+    ledger holds for this site. ``note`` (the job) goes in the ledger entry.
+    ``seed`` is for tests only."""
+    key = fingerprint(profile, items, opts)
     rng = random.SystemRandom() if seed is None else random.Random(seed)
-    summary = noised_summary(profile, items, opts, rng)
-    history = list(kept.get("releases", [])) + [opts.noise_multiplier]
-    summary[REPORT] = {"mechanism": "gaussian", "noised": list(NOISED), "noise_multiplier": opts.noise_multiplier,
-                       "clip": opts.clip, "delta": opts.delta, "releases": len(history),
-                       "epsilon": composed_epsilon(history, opts.delta), "accountant": ACCOUNTANT}
-    if store is not None:
-        write_json_atomic(Path(store), {"fingerprint": key, "summary": summary, "releases": history})
+    if ledger is None:
+        summary = noised_summary(profile, items, opts, rng)
+        summary[REPORT] = report(opts, [opts.noise_multiplier])
+        return summary, False
+    ledger = Path(ledger)
+    with _locked(ledger):
+        doc = read_ledger(ledger)
+        mine = doc["sites"].setdefault(profile.site, [])
+        for entry in reversed(mine):
+            if entry.get("fingerprint") == key:
+                return entry["summary"], True
+        summary = noised_summary(profile, items, opts, rng)
+        summary[REPORT] = report(opts, [r["noise_multiplier"] for r in mine] + [opts.noise_multiplier])
+        mine.append({"fingerprint": key, "summary": summary, "noise_multiplier": opts.noise_multiplier,
+                     "delta": opts.delta, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "note": note})
+        write_json_atomic(ledger, doc)
     return summary, False
+
+
+def report(opts: Options, history: list) -> dict:
+    """What a release tells the server: its mechanism, what it noised and what leaves exact, and the
+    (epsilon, delta) of every release so far (``history``: their noise multipliers)."""
+    return {"mechanism": "gaussian", "noised": list(NOISED), "exact": list(EXACT), "unit": UNIT,
+            "noise_multiplier": opts.noise_multiplier, "clip": opts.clip, "delta": opts.delta,
+            "releases": len(history), "epsilon": composed_epsilon(history, opts.delta), "accountant": ACCOUNTANT}
 
 
 def describe(report: dict) -> str:
@@ -202,7 +269,8 @@ def describe(report: dict) -> str:
     n = report["releases"]
     return (f"label summary noised (Gaussian, noise_multiplier={report['noise_multiplier']:g}, "
             f"clip={report['clip']:g}): (epsilon={report['epsilon']:.4g}, delta={report['delta']:g}) spent over "
-            f"{n} release{'s' if n != 1 else ''} of these counts (opacus RDP accountant)")
+            f"{n} release{'s' if n != 1 else ''} of this site's counts (opacus RDP accountant), per "
+            f"{report.get('unit', UNIT)}, not per patient; n, sent exactly every round, gives the case count")
 
 
 def server_lines(summaries: dict, required: bool) -> list:

@@ -63,13 +63,14 @@ class SiteSetup:
             return copy.deepcopy(self.released)
         return label_summary(self.profile, self.items()) if self.oracle else self.site.summary()
 
-    def release_summary(self, options: dict, store=None, seed=None) -> tuple:
+    def release_summary(self, options: dict, ledger=None, seed=None, note: str = "") -> tuple:
         """Noise the label summary once for this run (``fedlabels.privacy``); from now on
         ``summary()`` and ``context()`` give it. Returns its (epsilon, delta) report and
-        whether the release was reused from ``store``."""
+        whether the release was reused from the site's ``ledger``."""
         from . import privacy
 
-        self.released, reused = privacy.release(self.profile, self.items(), privacy.options(options), store, seed)
+        self.released, reused = privacy.release(self.profile, self.items(), privacy.options(options), ledger, seed,
+                                                note=note)
         return self.released[privacy.REPORT], reused
 
     def context(self) -> SiteContext:

@@ -263,8 +263,10 @@ def model_card(meta: dict) -> str:
         noised = any(row.get("noised") for row in table.values())
         lines += ["", "Which site annotated which class (annotated cases / positives; - = the site does not label "
                   "the class" + (f"; from {source}" if source else "") + "):"
-                  + (" the counts were sent with noise (the run's privacy option); which site labels which class "
-                     "is exact." if noised else ""), "",
+                  + (" the counts were sent with noise (the run's privacy option), per image, not per patient; "
+                     "which site labels which class is exact, and each round's FedAvg weight n, sent exactly, "
+                     "gives the number of cases (at a site that annotates every case, its annotated counts "
+                     "too)." if noised else ""), "",
                   "| site | cases | " + " | ".join(classes) + " |", "|---|---|" + "---|" * len(classes)]
         for site, row in table.items():
             cells = [f"{row['annotated'][c]} / {row['positives'][c]}" if row["labels"][c] else "-" for c in classes]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -30,11 +31,10 @@ import nvflare.client as flare
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel
 
-from .. import methods
+from .. import methods, privacy
 from ..bundle import bundle_path
 from ..config import FILE, RunConfig
 from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, REASON, RESUME, to_numpy
-from ..privacy import describe
 from ..profile import ScenarioError
 from ..site import flat_metrics, load_state, save_state, setup_site, train_task, validate_task
 from .controller import FATAL, RUN, SUMMARY, TASKS, THREADS, VERSIONS, on_the_wire, versions
@@ -96,13 +96,30 @@ def prepare(cfg: RunConfig, args, site: str, here: Path | None):
                        config=cfg.bundle_config())
     if setup.task not in method.tasks:
         raise ValueError(f"method {method.name!r} handles {method.tasks}, not the scenario's task {setup.task!r}")
-    if cfg.privacy:  # the label summary is noised once, kept with the site's state, sent as is (fedlabels.privacy)
-        store = Path(os.environ.get("FEDLABELS_STATE", "fedlabels_state")) / f"{site}.privacy.json"
-        report, reused = setup.release_summary(cfg.privacy, store)
-        print(f"[{site}] {describe(report)}" + (f"; reused from {store}" if reused else ""), flush=True)
+    if cfg.privacy:  # the label summary is noised once, recorded in the site's ledger, sent as is (fedlabels.privacy)
+        ledger = privacy.ledger_path()
+        report, reused = setup.release_summary(cfg.privacy, ledger, note=cfg.method)
+        total, releases = privacy.spent(ledger, site, report["delta"])
+        print(f"[{site}] {privacy.describe(report)}" + (f"; reused from {ledger}" if reused else "")
+              + f"; the ledger {ledger} records {releases} release(s) of this site: epsilon {total:.4g} in all",
+              flush=True)
     client = method.make_client(setup.net, setup.context(), **cfg.client)
     check_local_keys(client, here)
     return setup, client
+
+
+# a path (absolute, or relative with a folder) or a data file's name
+_PATH = re.compile(r"(?:[A-Za-z]:\\|~?/|\.{1,2}/)?(?:[\w.@+-]+[/\\])+[\w.@+-]*"
+                   r"|[\w@+-][\w.@+-]*\.(?:json|ya?ml|csv|tsv|txt|png|jpe?g|bmp|tiff?|dcm|dicom|nii|gz|npz|npy|"
+                   r"pt|pth|ckpt|h5|pkl|zip)\b", re.IGNORECASE)
+
+
+def redact(message):
+    """A message for the server: every local path and file name replaced by ``<local file>`` (a hospital's
+    folder layout and file names can name patients or studies). The field names and the reason stay."""
+    if not message:
+        return message
+    return _PATH.sub("<local file>", str(message)) + " (the site's log has the full message)"
 
 
 def check_local_keys(client, here: Path | None) -> None:
@@ -162,8 +179,8 @@ def main(argv=None, here: Path | None = None):
         if model is None:
             break
         meta = model.meta or {}
-        if fatal:
-            flare.send(FLModel(params={}, meta={FATAL: fatal}))
+        if fatal:  # the full message stays in the site's log; the server learns no local path or file name
+            flare.send(FLModel(params={}, meta={FATAL: redact(fatal)}))
             continue
         t0 = time.time()
         if first_task:
@@ -184,7 +201,7 @@ def main(argv=None, here: Path | None = None):
                 print(f"[{site}] resumed its state from {state_path}", flush=True)
             update = train_task(client, setup, model.params, rnd, meta.get(EXTRAS) or {})
             save_state(state_path, client, rnd, run=meta.get(RUN))
-            out = {**update.meta, N: update.n, ABSTAIN: update.abstain, REASON: update.reason, EXTRAS: update.extras,
+            out = {**update.meta, N: update.n, ABSTAIN: update.abstain, REASON: redact(update.reason), EXTRAS: update.extras,
                    "NUM_STEPS_CURRENT_ROUND": update.n}
             weights, out = inject_fault(cfg.faults, site, rnd, update.weights, out)
             flare.send(FLModel(params=on_the_wire(weights, cfg.transfer), metrics=update.metrics, meta=out))

@@ -130,6 +130,10 @@ def simulate(job_dir, workspace, sites: int, data=None, threads=None, log=None, 
         env["FEDLABELS_DATA"] = str(Path(data).resolve())
     # Site state (for resuming) outside the workspace, which the simulator empties.
     env.setdefault("FEDLABELS_STATE", str((workspace.parent / f"{workspace.name}.state").resolve()))
+    # Simulated sites are not hospitals: their privacy ledger (fedlabels.privacy) lies beside the workspace,
+    # so one study's runs compose and another study starts its own (a real site's is in its home folder).
+    env.setdefault("FEDLABELS_PRIVACY_LEDGER",
+                   str((workspace.parent / f"{workspace.name}.privacy-ledger.json").resolve()))
     cmd = [sys.executable, "-m", "nvflare.cli", "simulator", str(job_dir), "-w", str(workspace),
            "-n", str(sites), "-t", str(threads)]
     run_dir = workspace / "server" / "simulate_job"
