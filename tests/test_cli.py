@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fedlabels import cli
 from fedlabels.data.synthetic import generate
@@ -289,3 +290,39 @@ def test_export_twin_first_and_mean_and_a_single_network_refused(tmp_path, capsy
                      "--out", str(tmp_path / "no")]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "needs a FedMix model" in err[0] and not (tmp_path / "no").exists()
+
+
+def test_provisioning_gives_each_hospital_its_admin_its_byoc_policy_and_guards_the_ca(tmp_path):
+    """Each hospital gets its own org admin (role org_admin, its own org); a --no-byoc site's
+    local/authorization.json refuses custom code for every role, the others keep nvflare's default; the root
+    CA's private key is readable by its owner only; a .gitignore covers the whole provisioning folder."""
+    import stat
+
+    out = tmp_path / "prov"
+    assert cli.main(["provision", "--project", "study", "--server", "localhost", "--admin", "admin@example.org",
+                     "--sites", "hospital-a,hospital-b", "--org-admin", "hospital-a=it@a.example.org",
+                     "--no-byoc", "hospital-b", "--out", str(out)]) == 0
+    spec = yaml.safe_load((out / "project.yml").read_text())
+    admins = {p["name"]: (p["org"], p["role"]) for p in spec["participants"] if p["type"] == "admin"}
+    assert admins == {"admin@example.org": ("fedlabels", "project_admin"),
+                      "it@a.example.org": ("hospital_a", "org_admin"),
+                      "hospital-b-admin@example.org": ("hospital_b", "org_admin")}
+    prod = out / "study" / "prod_00"
+    assert all((prod / name / "startup").is_dir() for name in admins)  # one admin kit each
+    policy = json.loads((prod / "hospital-b" / "local" / "authorization.json").read_text())["permissions"]
+    assert {role: rights["byoc"] for role, rights in policy.items() if "byoc" in rights} == \
+        {"project_admin": "none", "org_admin": "none", "lead": "none", "member": "none"}
+    assert policy["project_admin"]["submit_job"] == "any"  # only custom code is refused
+    assert not (prod / "hospital-a" / "local" / "authorization.json").exists()  # nvflare's default applies
+    assert stat.S_IMODE((out / "study" / "state" / "cert.json").stat().st_mode) == 0o600
+    assert stat.S_IMODE((out / "study" / "state").stat().st_mode) == 0o700
+    assert (out / ".gitignore").read_text().splitlines()[-1] == "*"
+    bad = _run_all({
+        "org": ["provision", "--project", "s", "--server", "localhost", "--admin", "admin@example.org",
+                "--sites", "hospital-a", "--org-admin", "hospital-z=x@example.org", "--out", tmp_path / "org"],
+        "byoc": ["provision", "--project", "s", "--server", "localhost", "--admin", "admin@example.org",
+                 "--sites", "hospital-a", "--no-byoc", "hospital-z", "--out", tmp_path / "byoc"],
+    })
+    assert "--org-admin hospital-z=...: 'hospital-z' is not one of --sites" in _one_error_line(bad["org"])
+    assert "--no-byoc 'hospital-z': not one of --sites" in _one_error_line(bad["byoc"])
+    assert not (tmp_path / "org").exists() and not (tmp_path / "byoc").exists()

@@ -218,7 +218,15 @@ def cmd_provision(args):
     from .provision import provision
 
     sites = [s.strip() for s in args.sites.split(",") if s.strip()]
-    kits = provision(args.out, args.project, args.server, sites, args.admin, args.fl_port, args.admin_port)
+    org_admins = {}
+    for item in args.org_admin or []:
+        site, sep, email = item.partition("=")
+        if not sep:
+            raise ValueError(f"--org-admin {item!r}: expected SITE=EMAIL")
+        org_admins[site.strip()] = email.strip()
+    no_byoc = sites if args.no_byoc == "all" else [s.strip() for s in (args.no_byoc or "").split(",") if s.strip()]
+    kits = provision(args.out, args.project, args.server, sites, args.admin, args.fl_port, args.admin_port,
+                     org_admins=org_admins, no_byoc=no_byoc)
     for name, kit in kits.items():
         print(f"{name:<24} {kit}")
     print("give each participant its own folder; each installs its startup/requirements.txt "
@@ -444,6 +452,11 @@ def add_parsers(sub):
     s.add_argument("--out", required=True, help="provisioning workspace (kits in OUT/PROJECT/prod_NN)")
     s.add_argument("--fl-port", type=int, default=8002, help="the server's port for the sites")
     s.add_argument("--admin-port", type=int, default=8003, help="the server's port for the admin")
+    s.add_argument("--org-admin", action="append", metavar="SITE=EMAIL",
+                   help="a hospital's own admin (default SITE-admin@ the --admin's domain); repeatable")
+    s.add_argument("--no-byoc", metavar="SITES",
+                   help="comma-separated hospitals (or 'all') that refuse every job carrying custom code "
+                        "(their local/authorization.json)")
     s.set_defaults(fn=cmd_provision)
 
     s = sub.add_parser("report", help="test-set per-class table of finished runs' global models")

@@ -6,11 +6,21 @@ own builders, ``PackageBuilder`` writes ``startup/requirements.txt`` into every
 kit: the exact fedlabels, nvflare, MONAI and torch versions every participant
 installs. The server also checks them at run time: every site reports its
 versions before round 0 and a mismatch stops the job (``controller.py``).
-Deployment guide: ``docs/deployment.md``.
+
+What a hospital controls itself: each hospital is its own organisation with its
+own org admin (who may operate its own site, and nothing else, under nvflare's
+default policy), and ``--no-byoc`` writes a site's ``local/authorization.json``
+so that the site refuses every job that carries custom code, whoever submits
+it. The root CA's private key (``state/cert.json``) is readable by its owner
+only, and the provisioning folder gets a ``.gitignore`` so that no kit or key
+is committed by accident. Deployment guide: ``docs/deployment.md``.
 """
 
 from __future__ import annotations
 
+import copy
+import json
+import os
 import re
 import subprocess
 import sys
@@ -62,9 +72,20 @@ def _check(value: str, kind: str, option: str) -> str:
     return value
 
 
+def org_of(site: str) -> str:
+    """A hospital's organisation: its own (nvflare's authorization is by org)."""
+    return re.sub(r"\W", "_", site)
+
+
+def org_admin(site: str, admin: str) -> str:
+    """The default org admin of a hospital: ``<site>-admin@`` the project admin's domain."""
+    return f"{site}-admin@{admin.split('@', 1)[-1]}"
+
+
 def project(name: str, server: str, sites: list, admin: str, fl_port: int = 8002, admin_port: int = 8003,
-            org: str = "fedlabels") -> dict:
-    """The nvflare project description (api_version 3), every name checked with nvflare's own rules."""
+            org: str = "fedlabels", org_admins: dict | None = None) -> dict:
+    """The nvflare project description (api_version 3), every name checked with nvflare's own rules.
+    ``org_admins``: site -> its org admin's e-mail (default ``org_admin(site, admin)``)."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", name or ""):
         raise ProvisionError(f"--project {name!r}: use letters, digits, '-' and '_'")
     _check(server, "server", "--server")
@@ -80,10 +101,19 @@ def project(name: str, server: str, sites: list, admin: str, fl_port: int = 8002
             raise ProvisionError(f"{option} {port}: not a TCP port")
     if fl_port == admin_port:
         raise ProvisionError(f"--fl-port and --admin-port are both {fl_port}")
+    org_admins = dict(org_admins or {})
+    unknown = sorted(set(org_admins) - set(sites))
+    if unknown:
+        raise ProvisionError(f"--org-admin {unknown[0]}=...: {unknown[0]!r} is not one of --sites {sites}")
+    admins = {site: _check(org_admins.get(site) or org_admin(site, admin), "admin", "--org-admin") for site in sites}
+    if len(set(admins.values()) | {admin}) != len(sites) + 1:
+        raise ProvisionError(f"--org-admin: every hospital needs its own admin, distinct from --admin {admin!r}")
     participants = [{"name": server, "type": "server", "org": org, "fed_learn_port": fl_port, "admin_port": admin_port}]
-    # Each hospital is its own organisation (nvflare's authorization is by org).
-    participants += [{"name": site, "type": "client", "org": re.sub(r"\W", "_", site)} for site in sites]
+    # Each hospital is its own organisation (nvflare's authorization is by org), with its own admin.
+    participants += [{"name": site, "type": "client", "org": org_of(site)} for site in sites]
     participants.append({"name": admin, "type": "admin", "org": org, "role": "project_admin"})
+    participants += [{"name": admins[site], "type": "admin", "org": org_of(site), "role": "org_admin"}
+                     for site in sites]
     return {
         "api_version": 3,
         "name": name,
@@ -99,20 +129,53 @@ def project(name: str, server: str, sites: list, admin: str, fl_port: int = 8002
     }
 
 
+def no_byoc_policy(default: dict) -> dict:
+    """nvflare's authorization policy with BYOC (jobs that carry custom code) refused for every role,
+    the project admin's included (whose "any" is spelled out right by right)."""
+    policy = copy.deepcopy(default)
+    perms = policy["permissions"]
+    rights = sorted({r for v in perms.values() if isinstance(v, dict) for r in v})
+    for role, value in perms.items():
+        perms[role] = {r: "any" for r in rights} if value == "any" else dict(value)
+        perms[role]["byoc"] = "none"
+    return policy
+
+
+def protect(out: Path, name: str) -> None:
+    """The root CA's private key readable by its owner only; a .gitignore over the whole provisioning folder."""
+    state = out / name / "state"
+    if state.is_dir():
+        os.chmod(state, 0o700)
+        for f in state.iterdir():
+            os.chmod(f, 0o600)
+    if not (out / ".gitignore").exists():
+        write_atomic(out / ".gitignore", b"# startup kits and the root CA's private key: never commit them\n*\n")
+
+
 def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int = 8002,
-              admin_port: int = 8003) -> dict:
+              admin_port: int = 8003, org_admins: dict | None = None, no_byoc=()) -> dict:
     """Write ``out/project.yml`` and run ``nvflare provision``; {participant: startup kit folder}.
+    ``no_byoc``: sites whose ``local/authorization.json`` refuses jobs with custom code.
 
     Provisioning again into the same ``out`` keeps the root CA (nvflare's state
     folder) and writes the next ``prod_NN``."""
     out = Path(out)
-    spec = project(name, server, sites, admin, fl_port, admin_port)
+    spec = project(name, server, sites, admin, fl_port, admin_port, org_admins=org_admins)
+    unknown = sorted(set(no_byoc) - set(sites))
+    if unknown:
+        raise ProvisionError(f"--no-byoc {unknown[0]!r}: not one of --sites {sites}")
     out.mkdir(parents=True, exist_ok=True)
     project_file = out / "project.yml"
     write_atomic(project_file, yaml.safe_dump(spec, sort_keys=False).encode())
     cmd = [sys.executable, "-m", "nvflare.cli", "provision", "-p", str(project_file), "-w", str(out), "--force"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    protect(out, name)
     if proc.returncode != 0:
         raise RuntimeError(f"nvflare provision failed ({project_file}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     prod = sorted((out / name).glob("prod_*"), key=lambda p: int(p.name.split("_")[1]))[-1]
-    return {p["name"]: prod / p["name"] for p in spec["participants"]}
+    kits = {p["name"]: prod / p["name"] for p in spec["participants"]}
+    for site in no_byoc:
+        local = kits[site] / "local"
+        default = json.loads((local / "authorization.json.default").read_text())
+        write_atomic(local / "authorization.json", json.dumps(no_byoc_policy(default), indent=2).encode())
+    return kits
