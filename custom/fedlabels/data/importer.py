@@ -624,9 +624,11 @@ def check_out(out, inputs, force: bool) -> None:
 
 def run(args) -> Path:
     """Import the CSV(s) of ``args`` into a scenario folder; returns it."""
+    from .. import progress
     from .build import write_plan
 
-    say = (lambda msg: None) if getattr(args, "quiet", False) else (lambda msg: print(msg, flush=True))
+    # the default printer draws a progress bar on a terminal (fedlabels.progress)
+    say = (lambda msg: None) if getattr(args, "quiet", False) else progress.say
     imp = Importer(args)
     plan = imp.plan()
     check_out(args.out, [t.path for t in imp.tables] + [r.image for r in imp.rows]
