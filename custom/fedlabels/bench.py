@@ -1,9 +1,11 @@
 """``fedlabels bench``: registered methods side by side, over seeds, with their floor.
 
-    fedlabels bench --data DIR|embedded:FAMILY --bundle NAME --methods m1,m2 --seeds 0,1,2 --rounds R
-                    [--protocol NAME] [--local-epochs E] [--opt METHOD:key=value ...] [--eval-rounds 10,30,100]
-                    [--engine inprocess|flare] [--synth key=value ...] [--batch-size B]
-                    [--network key=value ...] [--image-size N] --out OUT
+```text
+fedlabels bench --data DIR|embedded:FAMILY --bundle NAME --methods m1,m2 --seeds 0,1,2 --rounds R
+                [--protocol NAME] [--local-epochs E] [--opt METHOD:key=value ...] [--eval-rounds 10,30,100]
+                [--engine inprocess|flare] [--synth key=value ...] [--batch-size B]
+                [--network key=value ...] [--image-size N] --out OUT
+```
 
 A *cell* is one method (or one floor row) and one seed. Each federated cell
 trains the method for R rounds and scores the global model on the scenario's

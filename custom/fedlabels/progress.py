@@ -1,12 +1,16 @@
 """Progress of the long commands (``bench``, ``prepare``, ``import``, ``simulate``) with the time left.
 
-On a terminal a bar is redrawn in place on the last line::
+On a terminal a bar is redrawn in place on the last line:
 
-    [bench] ########------------  4/10 cells  02:31 elapsed, about 03:46 left  fedavg seed 1
+```text
+[bench] ########------------ 4/10 cells  02:31 elapsed, about 03:46 left  fedavg seed 1
+```
 
-Elsewhere (a log file, CI, a pipe) each step is one line, so a log reads top to bottom::
+Elsewhere (a log file, CI, a pipe) each step is one line, so a log reads top to bottom:
 
-    [bench] 4/10 cells, 02:31 elapsed, about 03:46 left: fedavg seed 1
+```text
+[bench] 4/10 cells, 02:31 elapsed, about 03:46 left: fedavg seed 1
+```
 
 Every message of these commands goes through :func:`say`, which clears the bar before
 printing and redraws it after, so log lines and the bar never overwrite each other.
