@@ -149,6 +149,7 @@ def _run_jobs(jobs, workers, say, skip_bad):
                 continue
             results[idx] = (present, boxes)
     finally:
+        progress.close()  # stopped early by bad images: end the bar's line before the error
         if pool is not None:
             pool.terminate()
             pool.join()
