@@ -138,10 +138,12 @@ def test_messages_clear_the_bar_and_redraw_it():
         progress.say("round 0 site-1: n=3")
     finally:
         sys.stdout = real
+    bar.doing("round 0")
     bar.step()
     bar.step()
     text = out.getvalue()
     assert "\r\x1b[Kround 0 site-1: n=3\n\r\x1b[K" in text  # the message on its own line, the bar drawn again
+    assert re.search(r"\r\x1b\[K-{20} 0/2 rounds  00:00 elapsed  round 0(\r|$)", text)  # the step now running
     assert text.endswith("2/2 rounds  00:00 elapsed, about 00:00 left\n")
     assert progress._active is None
 

@@ -603,6 +603,7 @@ def run(plan: Plan) -> dict:
             bar.step(cell.label, counted=False)
             continue
         _say(f"{stamp()} {cell.label}: start {where}")
+        bar.doing(cell.label)
         t0 = time.time()
         data = plan.datasets[cell.seed]
         if data not in scorers:

@@ -108,6 +108,13 @@ class Progress:
         elif self.count // self.every != before // self.every or self.count >= self.total:
             self.say(f"{self.prefix}{self.status()}" + (f": {label}" if label else ""))
 
+    def doing(self, label: str) -> None:
+        """Name the step now running on the bar (a terminal only: elsewhere the command's own
+        log line says it)."""
+        self.label = label
+        if self.tty:
+            self._draw()
+
     def close(self) -> None:
         """End the bar's line (the bar stays on screen as it was last drawn)."""
         global _active
