@@ -41,7 +41,7 @@ test-fast: venv
 
 docs: $(BIN)/mkdocs
 	$(BIN)/python benchmarks/render_pages.py --check
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 jobs: venv
 	$(BIN)/fedlabels jobs --out nvflare_jobs
