@@ -1,6 +1,8 @@
 # Entry points: `make demo` (the main job on the embedded data), `make test` (the whole
 # test suite, what .ci/run calls) and `make test-fast` (units, reference loops and the
 # static job checks: no simulator, deployment or claim runs). All create .venv on first use.
+# `make docs` builds the documentation site (mkdocs.yml) with --strict, so a broken link,
+# a missing page or an API reference that no longer imports fails; .ci/run calls it too.
 # The test targets print the 15 slowest tests and write a JUnit XML report of every test's
 # time into $(REPORTS).
 PYTHON ?= python3
@@ -12,7 +14,7 @@ CONSTRAINTS ?= constraints.txt
 REPORTS ?= test-reports
 FAST    := not simulator and not deploy and not claims
 
-.PHONY: venv demo test test-fast jobs clean
+.PHONY: venv demo test test-fast docs jobs clean
 
 $(BIN)/fedlabels: setup.cfg $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +25,11 @@ $(BIN)/fedlabels: setup.cfg $(CONSTRAINTS)
 
 venv: $(BIN)/fedlabels
 
+# The docs extra (mkdocs, mkdocs-material, mkdocstrings) on top of the package, same pins.
+$(BIN)/mkdocs: $(BIN)/fedlabels
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e ".[test,docs]"
+	touch $@
+
 demo: venv
 	$(BIN)/fedlabels demo --out demo
 
@@ -32,8 +39,12 @@ test: venv
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "$(FAST)" --durations=15 --junitxml=$(REPORTS)/junit-fast.xml tests
 
+docs: $(BIN)/mkdocs
+	$(BIN)/python benchmarks/render_pages.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 jobs: venv
 	$(BIN)/fedlabels jobs --out nvflare_jobs
 
 clean:
-	rm -rf demo .pytest_cache $(REPORTS)
+	rm -rf demo site .pytest_cache $(REPORTS)

@@ -222,7 +222,7 @@ def main(argv=None):
     p.add_argument("--runs", default=",".join(RUNS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--table-only", action="store_true")
-    p.add_argument("--compact", action="store_true", help="print the README's narrower tables")
+    p.add_argument("--compact", action="store_true", help="print narrower tables (fewer columns) for quoting in prose")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     if not args.table_only:

@@ -23,7 +23,7 @@ each of three seeds there:
 What is *not* asserted: any AUROC ordering. At this budget none holds across
 seeds; the study finds the partial-loss and class-wise head rules ahead of
 naive FedAvg on the single-site classes in every seed only from about 570
-local steps per site (README, "Partial labels at a realistic budget"), and
+local steps per site (docs/results/partial-labels.md, "Partial labels at a realistic budget"), and
 FedPSL with its TADL step not ahead even then.
 
 Runs the methods' own client and server rules (``references.federate``), each seed

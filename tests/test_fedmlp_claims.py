@@ -12,7 +12,7 @@ against the prevalence of positives among the missing entries; pseudo-negative
 precision against the negative rate): seed 0 0.36 vs 0.14 and 0.96 vs 0.86,
 seed 1 0.38 vs 0.16 and 0.94 vs 0.84, seed 2 0.49 vs 0.15 and 0.93 vs 0.85.
 Asserted here on seed 0 (about 40 s): both precisions above their chance
-level. Not asserted: any effect on test AUROC (benchmarks/, README).
+level. Not asserted: any effect on test AUROC (benchmarks/, docs/results/fedmlp.md).
 """
 
 from __future__ import annotations

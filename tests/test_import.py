@@ -1,7 +1,8 @@
 """``fedlabels import``: hand-made datasets (PNG and DICOM images, CSVs) -> scenario folders.
 
 Multi-label with blanks at two sites (validated, then one bench round), segmentation
-with masks at one site and boxes at another, multi-class split by patient, and
+with masks at one site, boxes at another and image-level tags at a third (validated, then
+one FedMix bench round), multi-class split by patient, and
 malformed rows: one line naming file, row and column, exit status 2, nothing written.
 The "Bring your own data" example of docs/datasets.md runs as written.
 """
@@ -207,6 +208,15 @@ def test_segmentation_masks_boxes_and_image_level_classes(tmp_path, capsys):
     dcm_png = next(Path(i["image"]) for i in items if Path(i["image"]).stem == "ct5")
     arr = np.asarray(Image.open(dcm_png))
     assert arr.shape == (32, 32) and arr[10, 10] > arr[0, 0]  # the DICOM's lesion is bright, scaled to 8 bits
+
+    # and bench runs on it: FedMix, the method for masks, boxes and image-level tags, one round
+    bench = tmp_path / "bench"
+    rc, text, err = fedlabels(capsys, "bench", "--data", out, "--bundle", "lesion_unet", "--methods", "fedmix",
+                              "--rounds", "1", "--image-size", "32", "--out", bench)
+    assert rc == 0, err
+    rows = list(csv.DictReader(open(bench / "results.csv")))
+    assert {r["method"] for r in rows} >= {"fedmix", "local:site-1"}
+    assert any(r["metric"] == "dice" and r["method"] == "fedmix" and r["value"] for r in rows)
 
 
 def test_segmentation_of_two_classes_resized(tmp_path, capsys):

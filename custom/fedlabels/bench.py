@@ -1,9 +1,11 @@
 """``fedlabels bench``: registered methods side by side, over seeds, with their floor.
 
-    fedlabels bench --data DIR|embedded:FAMILY --bundle NAME --methods m1,m2 --seeds 0,1,2 --rounds R
-                    [--protocol NAME] [--local-epochs E] [--opt METHOD:key=value ...] [--eval-rounds 10,30,100]
-                    [--engine inprocess|flare] [--synth key=value ...] [--batch-size B]
-                    [--network key=value ...] [--image-size N] --out OUT
+```text
+fedlabels bench --data DIR|embedded:FAMILY --bundle NAME --methods m1,m2 --seeds 0,1,2 --rounds R
+                [--protocol NAME] [--local-epochs E] [--opt METHOD:key=value ...] [--eval-rounds 10,30,100]
+                [--engine inprocess|flare] [--synth key=value ...] [--batch-size B]
+                [--network key=value ...] [--image-size N] --out OUT
+```
 
 A *cell* is one method (or one floor row) and one seed. Each federated cell
 trains the method for R rounds and scores the global model on the scenario's
@@ -61,6 +63,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import progress
+
 EMBEDDED = "embedded:"
 FLOOR = "local"          # floor rows are named local:<site>
 ORACLE = "oracle:"       # a row oracle:METHOD trains METHOD on every site's full labels
@@ -80,7 +84,7 @@ PRIMARY = {"multilabel": "auroc", "multiclass": "auroc", "segmentation": "dice"}
 
 
 def _say(msg: str) -> None:
-    print(msg, flush=True)
+    progress.say(msg)
 
 
 # ---------------------------------------------------------------- parsing
@@ -590,12 +594,16 @@ def run(plan: Plan) -> dict:
         s = int(time.time() - t_start)
         return f"[bench {s // 60:02d}:{s % 60:02d}]"
 
+    # cells done in an earlier run advance the count but not the time estimate
+    bar = progress.Progress(len(todo), "cells", prefix="[bench] ")
     for i, cell in enumerate(todo, 1):
         where = f"(cell {i}/{len(todo)})"
         if (cell.method, cell.seed) in results:
             _say(f"{stamp()} {cell.label}: skipped (done) {where}")
+            bar.step(cell.label, counted=False)
             continue
         _say(f"{stamp()} {cell.label}: start {where}")
+        bar.doing(cell.label)
         t0 = time.time()
         data = plan.datasets[cell.seed]
         if data not in scorers:
@@ -620,6 +628,8 @@ def run(plan: Plan) -> dict:
         shown = "n/a" if value is None else f"{value:.3f}"
         _say(f"{stamp()} {cell.label}: done in {out['seconds']:.1f}s; test mean {metric} {shown} (last model, "
              f"round {plan.last_round}) {where}")
+        bar.step(cell.label)
+    bar.close()
     ordered = [results[(c.method, c.seed)] for c in todo]
     rows = [r for cell in ordered for r in cell["rows"]]
     write_csv(plan.out / "results.csv", rows)

@@ -1,19 +1,21 @@
 """The ``fedlabels`` command.
 
-    fedlabels synth {cxr,medmnist,lesion} --out DIR [--seed N]
-    fedlabels validate DIR                         check a scenario, print its table
-    fedlabels prepare DATASET --src DIR --protocol NAME --out DIR
-    fedlabels import LABELS.csv [SITE=MORE.csv ...] --out DIR   your own images and labels
-    fedlabels train --bundle bundles/X --data DIR [--site NAME] [--epochs N] --out DIR
-    fedlabels evaluate --bundle bundles/X --ckpt MODEL --data DIR
-    fedlabels export --bundle bundles/X --ckpt MODEL --out DIR [--run RUN_DIR] [--data DIR]
-    fedlabels baseline {local,centralized,oracle} --data DIR   non-federated references
-    fedlabels methods                              registered federated methods
-    fedlabels bench --data DIR --bundle X --methods a,b --seeds 0,1,2 --rounds R --out DIR
-                                                   methods side by side over seeds, with local floors
-    fedlabels jobs --out nvflare_jobs              (re)generate the FLARE job folders
-    fedlabels simulate JOB [--data DIR] -n N       run one job in the FLARE simulator
-    fedlabels demo --out DIR                       the main job on the embedded data
+```text
+fedlabels synth {cxr,medmnist,lesion} --out DIR [--seed N]
+fedlabels validate DIR                         check a scenario, print its table
+fedlabels prepare DATASET --src DIR --protocol NAME --out DIR
+fedlabels import LABELS.csv [SITE=MORE.csv ...] --out DIR   your own images and labels
+fedlabels train --bundle bundles/X --data DIR [--site NAME] [--epochs N] --out DIR
+fedlabels evaluate --bundle bundles/X --ckpt MODEL --data DIR
+fedlabels export --bundle bundles/X --ckpt MODEL --out DIR [--run RUN_DIR] [--data DIR]
+fedlabels baseline {local,centralized,oracle} --data DIR   non-federated references
+fedlabels methods                              registered federated methods
+fedlabels bench --data DIR --bundle X --methods a,b --seeds 0,1,2 --rounds R --out DIR
+                                               methods side by side over seeds, with local floors
+fedlabels jobs --out nvflare_jobs              (re)generate the FLARE job folders
+fedlabels simulate JOB [--data DIR] -n N       run one job in the FLARE simulator
+fedlabels demo --out DIR                       the main job on the embedded data
+```
 """
 
 from __future__ import annotations

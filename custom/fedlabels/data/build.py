@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ..progress import say as default_say
 from ..profile import (SiteProfile, _read_datalist, format_summary, label_summary, load_scenario,
                        scenario_writer, write_json_atomic, write_site, write_yaml)
 from .common import (Case, PrepareError, Progress, load_mask, load_pixels, resize_image, resize_mask,
@@ -148,6 +149,7 @@ def _run_jobs(jobs, workers, say, skip_bad):
                 continue
             results[idx] = (present, boxes)
     finally:
+        progress.close()  # stopped early by bad images: end the bar's line before the error
         if pool is not None:
             pool.terminate()
             pool.join()
@@ -178,7 +180,7 @@ def _lock(out: Path):
 def write_plan(plan: Plan, out, seed: int, workers: int = 1, say=None, skip_bad: bool = False,
                command: list | None = None) -> Path:
     """Write ``plan`` as a scenario folder at ``out`` (atomically); returns the path."""
-    say = say or (lambda msg: print(msg, flush=True))
+    say = say or default_say
     out = Path(out).resolve()
     seg = plan.task == "segmentation"
     folders = [(s.name, "training", e) for s in plan.sites for e in s.training]

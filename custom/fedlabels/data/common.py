@@ -30,6 +30,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from ..progress import Progress as _Progress
+
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".dcm", ".gif")
 
 
@@ -249,20 +251,12 @@ def safe_id(text: str) -> str:
 # ------------------------------------------------------------------ progress
 
 
-class Progress:
-    """Prints '<what> i/n (elapsed)' every ``every`` steps and at the end."""
+class Progress(_Progress):
+    """'<what> i/n, elapsed, about ... left' as the steps go: a bar on a terminal, a line about
+    every 5 % otherwise (fedlabels.progress)."""
 
     def __init__(self, total: int, what: str, say: Callable | None = None, every: int | None = None):
-        self.total, self.what = total, what
-        self.say = say or (lambda msg: print(msg, flush=True))
-        self.every = every or max(100, min(2000, total // 20 or 1))
-        self.count, self.t0 = 0, time.time()
-
-    def step(self, n: int = 1) -> None:
-        before = self.count
-        self.count += n
-        if self.count // self.every != before // self.every or self.count == self.total:
-            self.say(f"  {self.what} {self.count}/{self.total} ({time.time() - self.t0:.1f} s)")
+        super().__init__(total, what, prefix="  ", say_fn=say, every=every)
 
 
 # ------------------------------------------------------------------ images

@@ -52,7 +52,7 @@ import numpy as np
 import yaml
 
 from ..profile import TASKS
-from .common import Case, PrepareError, Source, record_file, safe_id
+from .common import Case, PrepareError, Progress, Source, record_file, safe_id
 
 GENERATOR = "fedlabels.data.importer"
 TEST_SITE = "test"
@@ -314,17 +314,23 @@ class Importer:
 
     def _rows(self) -> list:
         rows, seen, site_order = [], {}, []
-        for t in self.tables:
-            for n, cells in t.rows:
-                row = self._row(t, n, cells)
-                key = str(row.image.resolve())
-                if key in seen:
-                    ft, fn = seen[key]
-                    raise RowError(t.path, n, t.col(IMAGE_COLUMN), f"the same image as {ft.name} row {fn}")
-                seen[key] = (t.path, n)
-                if row.site != TEST_SITE and row.site not in site_order:
-                    site_order.append(row.site)
-                rows.append(row)
+        # each row opens its image (and mask) header: long for a large dataset on a network drive
+        quiet = getattr(self.args, "quiet", False)
+        # a bad row stops the loop: the bar's line is ended before its one-line error
+        with Progress(sum(len(t.rows) for t in self.tables), "rows checked",
+                      (lambda msg: None) if quiet else None) as checked:
+            for t in self.tables:
+                for n, cells in t.rows:
+                    row = self._row(t, n, cells)
+                    checked.step()
+                    key = str(row.image.resolve())
+                    if key in seen:
+                        ft, fn = seen[key]
+                        raise RowError(t.path, n, t.col(IMAGE_COLUMN), f"the same image as {ft.name} row {fn}")
+                    seen[key] = (t.path, n)
+                    if row.site != TEST_SITE and row.site not in site_order:
+                        site_order.append(row.site)
+                    rows.append(row)
         self.sites = [s for s in self.given_sites if s in site_order] if self.given_sites else site_order
         if not self.sites:
             raise PrepareError(f"{self.tables[0].path}: every row is a test row (site {TEST_SITE!r}); "
@@ -624,9 +630,11 @@ def check_out(out, inputs, force: bool) -> None:
 
 def run(args) -> Path:
     """Import the CSV(s) of ``args`` into a scenario folder; returns it."""
+    from .. import progress
     from .build import write_plan
 
-    say = (lambda msg: None) if getattr(args, "quiet", False) else (lambda msg: print(msg, flush=True))
+    # the default printer draws a progress bar on a terminal (fedlabels.progress)
+    say = (lambda msg: None) if getattr(args, "quiet", False) else progress.say
     imp = Importer(args)
     plan = imp.plan()
     check_out(args.out, [t.path for t in imp.tables] + [r.image for r in imp.rows]

@@ -188,9 +188,11 @@ def options_from_args(args) -> Options:
 
 def run(args) -> Path:
     """Prepare one scenario from parsed arguments; returns its folder."""
+    from .. import progress
     from .build import write_plan
 
-    say = (lambda msg: None) if getattr(args, "quiet", False) else (lambda msg: print(msg, flush=True))
+    # the default printer draws a progress bar on a terminal (fedlabels.progress)
+    say = (lambda msg: None) if getattr(args, "quiet", False) else progress.say
     dataset = ALIASES.get(args.dataset.lower(), args.dataset.lower())
     if dataset in EXTRA_SOURCES:
         raise PrepareError(f"{dataset} is used together with nih: prepare nih --src NIH_DIR --src {dataset}=DIR ...")

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from ..config import TRANSFERS
+from ..progress import RoundFollower
 from ..profile import load_scenario, write_json_atomic
 from .job import JOBS, REPO, JobSpec, export
 
@@ -259,16 +260,18 @@ def cmd_simulate(args):
         shutil.rmtree(prev, ignore_errors=True)
         shutil.move(str(ws), prev)
     log = work / "simulator.log"
+    run_dir = ws / "server" / "simulate_job"
     print(f"running {spec.name} ({spec.method}) for {spec.rounds} rounds on {spec.sites} sites in {threads} simulator "
           f"worker process(es)" + ("" if threads == spec.sites else ", the sites taking turns") + f"; log: {log}",
           flush=True)
+    print(f"TensorBoard (per-site metrics per round): tensorboard --logdir {run_dir / 'tb'}", flush=True)
     t0 = time.time()
-    run_dir = simulate(job_dir, ws, spec.sites, data=args.data, threads=threads, log=log)
-    print(f"done in {time.time() - t0:.0f}s; outputs in {run_dir}")
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        key = next((k for k in rec if k.startswith("mean_val_")), "mean_val_auroc")
-        print(f"round {rec['round']}: {key} of the received model = {rec.get(key)}")
+    # Each round is reported as the server writes it to metrics.jsonl (fedlabels.progress).
+    resumed = Path(spec.resume_from) / "progress.json" if spec.resume_from else None
+    first = json.loads(resumed.read_text())["next_round"] if resumed and resumed.is_file() else 0
+    with RoundFollower(run_dir / "metrics.jsonl", spec.rounds, first=first):
+        run_dir = simulate(job_dir, ws, spec.sites, data=args.data, threads=threads, log=log)
+    print(f"done in {time.time() - t0:.0f}s; outputs in {run_dir}; TensorBoard logs in {run_dir / 'tb'}")
 
 
 def cmd_report(args):
