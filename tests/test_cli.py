@@ -326,3 +326,19 @@ def test_provisioning_gives_each_hospital_its_admin_its_byoc_policy_and_guards_t
     assert "--org-admin hospital-z=...: 'hospital-z' is not one of --sites" in _one_error_line(bad["org"])
     assert "--no-byoc 'hospital-z': not one of --sites" in _one_error_line(bad["byoc"])
     assert not (tmp_path / "org").exists() and not (tmp_path / "byoc").exists()
+
+
+def test_job_py_writes_its_folder_with_out_and_explains_export(tmp_path):
+    """nvflare 2.9 removes --export from sys.argv when nvflare.recipe is imported, so job.py writes its
+    folder with --out; --export gets one line saying so (both as a user runs them: a script, a subprocess)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "custom"), os.environ.get("PYTHONPATH", "")]))
+    job = str(REPO / "nvflare_jobs" / "fedavg_cxr" / "job.py")
+    procs = {flag: subprocess.Popen([sys.executable, job, flag, str(tmp_path / flag.strip("-")), "--rounds", "3"],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for flag in ("--out", "--export")}
+    out, err = (p.communicate(timeout=300) for p in procs.values())
+    assert procs["--out"].returncode == 0, out[1][-2000:]
+    server = json.loads((tmp_path / "out" / "fedavg_cxr" / "app" / "config" / "config_fed_server.json").read_text())
+    assert server["workflows"][0]["args"]["num_rounds"] == 3
+    assert procs["--export"].returncode == 2 and "write the job folder with --out DIR" in err[1]
+    assert "Traceback" not in err[1] and not (tmp_path / "export").exists()

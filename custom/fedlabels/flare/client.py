@@ -138,7 +138,7 @@ def check_local_keys(client, here: Path | None) -> None:
     if missing:
         raise ValueError(f"{path}: task_result_filters: no ExcludeVars filter for {len(missing)} keys this site keeps "
                          f"(e.g. {missing[:2]}; bn_policy {client.bn_policy!r}), so they would leave the site: "
-                         "rebuild the job from its definition (python nvflare_jobs/<job>/job.py --export DIR)")
+                         "rebuild the job from its definition (python nvflare_jobs/<job>/job.py --out DIR)")
 
 
 def shareable(evaluation: dict, counts: bool) -> dict:

@@ -237,12 +237,15 @@ def run_cli(spec: JobSpec, argv=None) -> None:
     import argparse
     import dataclasses
 
-    from nvflare.recipe import PocEnv, ProdEnv, SimEnv
-    from nvflare.recipe.spec import Recipe
+    from nvflare.recipe import spec as recipe_spec  # importing it takes nvflare's own flags out of sys.argv
 
     p = argparse.ArgumentParser(description=f"fedlabels job {spec.name} ({spec.method})")
+    if argv is None and getattr(recipe_spec, "_peek_recipe_args", lambda: (False, None))()[0]:
+        p.error("--export is nvflare's own flag (nvflare removes it before this parser runs): write the job "
+                "folder with --out DIR")
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--export", metavar="DIR", help="write the job folder into DIR")
+    # not --export: nvflare 2.9 takes --export and --export-dir out of sys.argv when nvflare.recipe is imported
+    where.add_argument("--out", metavar="DIR", help="write the job folder into DIR")
     where.add_argument("--sim", metavar="WORKSPACE", help="run in the FLARE simulator")
     where.add_argument("--poc", action="store_true", help="run in a local POC deployment (nvflare poc prepare first)")
     where.add_argument("--prod", metavar="STARTUP_KIT", help="submit to a provisioned project with this admin startup kit")
@@ -264,11 +267,20 @@ def run_cli(spec: JobSpec, argv=None) -> None:
         p.error(f"--min-sites {args.min_sites}: must be between 1 and the number of sites ({args.sites})")
     spec = dataclasses.replace(spec, sites=args.sites, rounds=args.rounds, transfer=args.transfer,
                                min_sites=args.min_sites, resume_from=args.resume_from)
-    if args.export:
-        print(export(spec, args.export))
+    if args.out:
+        print(export(spec, args.out))
         return
 
-    workdir = tempfile.mkdtemp(prefix=f"{spec.name}-")
+    workdir = tempfile.mkdtemp(prefix=f"{spec.name}-")  # the job folder the recipe submits, removed after
+    try:
+        _execute(spec, args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _execute(spec: JobSpec, args, workdir: str) -> None:
+    from nvflare.recipe import PocEnv, ProdEnv, SimEnv
+    from nvflare.recipe.spec import Recipe
 
     class FedLabelsRecipe(Recipe):
         def __init__(self):
