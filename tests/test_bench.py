@@ -25,7 +25,8 @@ from fedlabels import bench, cli, references
 from fedlabels.bundle import bundle_path
 
 BENCH = ["bench", "--data", "embedded:cxr", "--synth", "cases=12", "--synth", "test_cases=8", "--bundle",
-         "cxr_resnet18", "--methods", "fedavg,surgical", "--seeds", "0", "--rounds", "2", "--batch-size", "8"]
+         "cxr_resnet18", "--methods", "fedavg,surgical", "--seeds", "0", "--rounds", "2", "--batch-size", "8",
+         "--network", "widen_factor=0.25", "--image-size", "32"]  # small and fast: no check here depends on size
 SITES = [f"site-{k}" for k in range(1, 5)]
 
 
@@ -108,18 +109,19 @@ def test_numbers_are_the_engines_own_a_plumbing_check(run):
     independent computation: bench calls these functions (see the module docstring for what checks them)."""
     rows, data = run["rows"], run["out"] / "data" / "cxr-seed0"
     bundle = bundle_path("cxr_resnet18")
-    setups = references.setups(bundle, data, batch_size=8, seed=0, method="fedavg")
+    small = dict(network_overrides={"widen_factor": 0.25}, config={"image_size": 32})  # BENCH's
+    setups = references.setups(bundle, data, batch_size=8, seed=0, method="fedavg", **small)
     result = references.federate("fedavg", setups, 2, seed=0, log=None, client_options={"lr": 1e-3, "epochs": 1})
     net = next(iter(setups.values())).net
     for model in ("last", "best"):
-        metrics = references.score(net, result[model], bundle, data)
+        metrics = references.score(net, result[model], bundle, data, config=small["config"])
         where = dict(method="fedavg", seed=0, round=2, model=model, group="pooled", metric="auroc")
         assert metrics["auroc"] is not None
         assert _value(rows, **where, **{"class": "mean"}) == pytest.approx(metrics["auroc"], abs=1e-9)
         for cls, vals in metrics["per_class"].items():
             if vals["auroc"] is not None:
                 assert _value(rows, **where, **{"class": cls}) == pytest.approx(vals["auroc"], abs=1e-9)
-    local = references.local(bundle, data, epochs=2, batch_size=8, seed=0, log=None)
+    local = references.local(bundle, data, epochs=2, batch_size=8, seed=0, log=None, **small)
     assert _value(rows, method="local:site-1", seed=0, round=2, model="last", group="pooled", metric="ap",
                   **{"class": "mean"}) == pytest.approx(local["site-1"]["test"]["ap"], abs=1e-9)
 

@@ -96,18 +96,20 @@ def federate(method: str, site_setups: dict, rounds: int, seed=0, log=print, cli
     return {"last": weights, "best": best, "records": records, "clients": clients}
 
 
-def score(net, weights, bundle, data, loader=None) -> dict:
+def score(net, weights, bundle, data, loader=None, config=None) -> dict:
     """Test-split metrics of ``weights`` loaded into ``net`` (``loader``: a
-    ``test_loader(bundle, data)`` to reuse across calls)."""
+    ``test_loader(bundle, data)`` to reuse across calls; ``config``: bundle config overrides)."""
     sc = load_scenario(data, sites=[], with_test=False)
     load_weights(net, weights)
-    return evaluate(net, loader or test_loader(bundle, data), sc.task, sc.classes)
+    return evaluate(net, loader or test_loader(bundle, data, config=config), sc.task, sc.classes)
 
 
-def local(bundle, data, epochs: int, batch_size=None, seed=0, log=print, client_options=None) -> dict:
+def local(bundle, data, epochs: int, batch_size=None, seed=0, log=print, client_options=None,
+          network_overrides=None, config=None) -> dict:
     """Each site alone; its model scored on the test split and on every site's validation data."""
-    site_setups = setups(bundle, data, batch_size=batch_size, seed=seed)
-    tests, out = test_loader(bundle, data), {}
+    site_setups = setups(bundle, data, batch_size=batch_size, seed=seed, network_overrides=network_overrides,
+                         config=config)
+    tests, out = test_loader(bundle, data, config=config), {}
     for name, st in site_setups.items():
         client = methods.get("fedavg_pl").make_client(st.net, st.context(), epochs=epochs, **(client_options or {}))
         client.train(to_numpy(st.net.state_dict()), 0)
