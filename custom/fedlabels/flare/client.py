@@ -26,6 +26,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import nvflare.client as flare
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel
@@ -48,10 +49,16 @@ def build_parser():
     return p
 
 
-def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict) -> tuple:
-    """Deliberately corrupt this site's update, to drill the server's fault handling. ``hang``: the
-    site keeps its trained update and never returns (a hospital that goes silent mid-round; the drill
-    ends when its process is killed)."""
+def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict, metrics: dict | None = None,
+                 timeout: int | None = None) -> tuple:
+    """Deliberately corrupt this site's update, to drill the server's fault handling; returns
+    (weights, meta, metrics). ``hang``: the site keeps its trained update and never returns (a
+    hospital that goes silent mid-round; the drill ends when its process is killed). ``stall``: it
+    answers only after the server's ``timeout`` has passed (a site far slower than the others, or
+    hung and back later): the server has left it out of the round by then. The hostile kinds
+    (``n_text``, ``n_huge``, ``dtype``, ``extras``, ``metric``) send what a broken or hostile site
+    could: the server drops each with its reason."""
+    metrics = dict(metrics or {})
     for fault in faults:
         where, kind, when = fault.split(":")
         if where != site or int(when) != rnd:
@@ -60,6 +67,11 @@ def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict) -> tupl
             print(f"fault drill: {site} hangs in round {rnd}", flush=True)
             while True:
                 time.sleep(3600)
+        if kind == "stall":
+            wait = (timeout or 60) + 3
+            print(f"fault drill: {site} stalls {wait}s in round {rnd}", flush=True)
+            time.sleep(wait)
+            continue
         key = next(k for k, v in weights.items() if v.dtype.kind == "f")
         if kind == "crash":
             raise RuntimeError(f"fault drill: {site} crashes in round {rnd}")
@@ -72,9 +84,19 @@ def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict) -> tupl
             weights["not_a_layer.weight"] = weights.pop(key)
         elif kind == "no_n":
             meta.pop(N)
+        elif kind == "n_text":
+            meta[N] = "many"
+        elif kind == "n_huge":
+            meta[N] = 10**9
+        elif kind == "dtype":
+            weights[key] = weights[key].astype(np.float64)
+        elif kind == "extras":
+            meta[EXTRAS] = ["not", "a", "mapping"]
+        elif kind == "metric":
+            metrics = {k: (float("inf") if k.startswith("val_") else v) for k, v in metrics.items()}
         else:
             raise ValueError(f"unknown fault kind {kind!r}")
-    return weights, meta
+    return weights, meta, metrics
 
 
 def data_root(args, cfg: RunConfig) -> Path:
@@ -186,8 +208,9 @@ def main(argv=None, here: Path | None = None):
             save_state(state_path, client, rnd, run=meta.get(RUN))
             out = {**update.meta, N: update.n, ABSTAIN: update.abstain, REASON: update.reason, EXTRAS: update.extras,
                    "NUM_STEPS_CURRENT_ROUND": update.n}
-            weights, out = inject_fault(cfg.faults, site, rnd, update.weights, out)
-            flare.send(FLModel(params=on_the_wire(weights, cfg.transfer), metrics=update.metrics, meta=out))
+            weights, out, metrics = inject_fault(cfg.faults, site, rnd, update.weights, out, update.metrics,
+                                                 cfg.site_timeout)
+            flare.send(FLModel(params=on_the_wire(weights, cfg.transfer), metrics=metrics, meta=out))
             scores = {k: v for k, v in update.metrics.items() if k.startswith("val_") and "/" not in k}
             print(f"[{site}] round {rnd}: n={update.n}" + (f" stopped: {update.reason}" if update.reason else
                   " abstained" if update.abstain else

@@ -377,6 +377,14 @@ class ServerRule:
         """Shapes the sites' ``Update.extras`` must have (name -> shape); others are only checked finite."""
         return {}
 
+    def screen(self, update: Update, global_weights: dict, round: int, step: Step) -> str | None:
+        """Why this rule cannot use ``update`` (what it reads from the site's meta, metrics or extras
+        is missing or malformed), or None. Called on each update that passed the engine's own
+        screen (``fedlabels.engine.screen_update``), before ``aggregate``: a dropped update is
+        logged with this reason and the others are aggregated, where an error raised inside
+        ``aggregate`` would lose the whole step."""
+        return None
+
     def aggregate(self, updates: list, global_weights: dict, round: int) -> dict:
         raise NotImplementedError
 
