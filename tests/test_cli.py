@@ -289,3 +289,78 @@ def test_export_twin_first_and_mean_and_a_single_network_refused(tmp_path, capsy
                      "--out", str(tmp_path / "no")]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "needs a FedMix model" in err[0] and not (tmp_path / "no").exists()
+
+
+def _tree(root: Path) -> dict:
+    """Every path under ``root`` with its bytes (folders: None) and mode: what "left as it was" means."""
+    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes(), p.stat().st_mode)
+            for p in sorted(root.rglob("*"))}
+
+
+FOREIGN = "{out}"
+WRITERS = {
+    "synth": ["synth", "cxr", "--out", FOREIGN],
+    "prepare": ["prepare", "nih", "--src", "nowhere", "--protocol", "fedpsl-6", "--out", FOREIGN],
+    "bench": ["bench", "--data", "embedded:cxr", "--methods", "fedavg", "--rounds", "1", "--out", FOREIGN],
+    "simulate": ["simulate", "fedavg_cxr", "-w", FOREIGN],
+    "provision": ["provision", "--project", "p", "--server", "localhost", "--sites", "a,b", "--admin", "a@b.c",
+                  "--out", FOREIGN],
+    "demo": ["demo", "--out", FOREIGN],
+}
+
+
+@pytest.mark.parametrize("command", sorted(WRITERS))
+def test_a_command_never_writes_into_a_folder_it_did_not_write(command, tmp_path, capsys):
+    """`fedlabels export --out .` replaced the working folder whole. Every command that writes a folder
+    refuses a non-empty one that holds no earlier output of its own, exits non-zero with one line naming
+    the folder, and leaves it byte-identical; --force allows it."""
+    folder = tmp_path / "my notes"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "patients.csv").write_text("id,name\n1,x\n")
+    (folder / "sub" / "scan.png").write_bytes(bytes(range(256)))
+    before = _tree(folder)
+    argv = [a.replace(FOREIGN, str(folder)) for a in WRITERS[command]]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"fedlabels: {folder}: --") and "not empty and not an earlier" in err and "--force" in err
+    assert len(err.splitlines()) == 1
+    assert _tree(folder) == before
+    assert not [p for p in tmp_path.iterdir() if p.name != "my notes"]  # nothing written beside it either
+
+
+def test_export_refuses_a_folder_it_did_not_write_and_replaces_an_earlier_export(tmp_path, capsys):
+    """The export of a real checkpoint into a folder of other files: refused, byte-identical (today it
+    was replaced whole); with --force it is written; an earlier export is replaced without --force."""
+    import torch
+
+    from fedlabels.config import RunConfig
+    from fedlabels.nets import ResNet18Classifier
+
+    torch.manual_seed(0)
+    torch.save(ResNet18Classifier(in_channels=1, out_channels=6, widen_factor=0.25).state_dict(), tmp_path / "m.pt")
+    run = tmp_path / "run"
+    RunConfig("fedavg", bundle="cxr_resnet18", network={"widen_factor": 0.25},
+              data={"image_size": 32}).save(run / "app_server" / "custom" / "fedlabels.json")
+    folder = tmp_path / "work"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine\n")
+    before = _tree(folder)
+    argv = ["export", "--bundle", "cxr_resnet18", "--ckpt", str(tmp_path / "m.pt"), "--run", str(run),
+            "--out", str(folder)]
+    assert cli.main(argv) == 2
+    assert "not an earlier exported bundle" in capsys.readouterr().err
+    assert _tree(folder) == before
+    assert cli.main(argv + ["--force"]) == 0
+    assert (folder / "configs" / "metadata.json").is_file() and not (folder / "notes.txt").exists()
+    assert cli.main(argv) == 0  # an earlier export: replaced
+
+
+def test_job_folders_are_replaced_only_when_they_are_job_folders(tmp_path):
+    from fedlabels.flare.job import JOBS, export
+
+    target = tmp_path / "fedavg_cxr"
+    target.mkdir()
+    (target / "mine.txt").write_text("x")
+    with pytest.raises(ValueError, match="not an earlier FLARE job folder"):
+        export(JOBS["fedavg_cxr"], tmp_path)
+    assert [p.name for p in target.iterdir()] == ["mine.txt"]

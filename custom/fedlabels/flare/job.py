@@ -207,8 +207,12 @@ def add_half_precision_filters(job: FedJob) -> None:
 
 
 def export(spec: JobSpec, out_dir) -> Path:
-    """Write the job folder ``out_dir/<name>`` (replacing an older one atomically)."""
+    """Write the job folder ``out_dir/<name>`` (replacing an older one atomically; a folder of that name
+    that is not a job folder is refused, never deleted)."""
     out_dir = Path(out_dir)
+    from ..profile import check_output_dir
+
+    check_output_dir(out_dir / spec.name, ("meta.json",), "FLARE job folder", option="job folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         build_job(spec, tmp).export_job(tmp)
