@@ -364,3 +364,41 @@ def test_job_folders_are_replaced_only_when_they_are_job_folders(tmp_path):
     with pytest.raises(ValueError, match="not an earlier FLARE job folder"):
         export(JOBS["fedavg_cxr"], tmp_path)
     assert [p.name for p in target.iterdir()] == ["mine.txt"]
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["simulate", "fedavg_cxr", "-n", "0"], "-n/--sites"),
+    (["simulate", "fedavg_cxr", "--rounds", "0"], "--rounds"),
+    (["simulate", "fedavg_cxr", "-t", "0"], "-t/--threads"),
+    (["synth", "cxr", "--cases", "0"], "--cases"),
+    (["demo", "--rounds", "0"], "--rounds"),
+    (["demo", "--cases", "0"], "--cases"),
+])
+def test_a_count_of_zero_is_an_error_not_the_default(argv, option, tmp_path, capsys):
+    """`--rounds 0` fell through `if args.rounds:` to the job's default rounds; each count is >= 1."""
+    out = ["-w" if argv[0] == "simulate" else "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv + out)
+    assert e.value.code == 2
+    assert f"argument {option}: must be >= 1, not 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_report_scores_the_network_the_run_trained(tmp_path, capsys):
+    """A run of the ResNet-18 bundle (a quarter as wide, 32 px): `report` without --bundle builds that
+    network from the run's fedlabels.json; it used to build DenseNet121, which cannot take the weights."""
+    import torch
+
+    from fedlabels.config import RunConfig
+    from fedlabels.nets import ResNet18Classifier
+
+    data = generate("cxr", tmp_path / "data", seed=0, cases=8, test_cases=8, size=32, sites=2)
+    run = tmp_path / "run"
+    RunConfig("fedavg", bundle="cxr_resnet18", network={"widen_factor": 0.25},
+              data={"image_size": 32}).save(run / "app_server" / "custom" / "fedlabels.json")
+    torch.manual_seed(0)
+    net = ResNet18Classifier(in_channels=1, out_channels=6, widen_factor=0.25)
+    torch.save({"model": net.state_dict()}, run / "app_server" / "best_FL_global_model.pt")
+    assert cli.main(["report", f"r={run}", "--data", str(data)]) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0] == "| class | sites labeling it | r |" and "**mean**" in table, table

@@ -24,6 +24,7 @@ import os
 import re
 import sys
 
+from .config import positive_int
 from .profile import ScenarioError
 
 # Subcommands defined in flare/commands.py. Registering them imports NVIDIA FLARE
@@ -163,9 +164,9 @@ def build_parser(flare: bool = True) -> argparse.ArgumentParser:
     s.add_argument("family", choices=["cxr", "medmnist", "lesion"])
     s.add_argument("--out", required=True)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--size", type=int, help="image size in pixels")
-    s.add_argument("--cases", type=int, help="cases per site (medmnist: in total)")
-    s.add_argument("--test-cases", type=int)
+    s.add_argument("--size", type=positive_int, help="image size in pixels")
+    s.add_argument("--cases", type=positive_int, help="cases per site (medmnist: in total)")
+    s.add_argument("--test-cases", type=positive_int)
     s.add_argument("--sites", type=int, default=4,
                    help="number of sites (cxr: site k labels like FedPSL Table I's site k mod 4; default 4)")
     s.add_argument("--gamma", type=float, default=0.8, help="medmnist: Dirichlet label skew")

@@ -38,6 +38,20 @@ TRANSFERS = ("float32", "float16")
 DEFAULT_SITE_TIMEOUT = 3600
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1. A count of 0 (sites, rounds, cases) would otherwise fall through
+    an ``if value:`` to the default and mean something the user did not ask for."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
 class ConfigError(ValueError):
     def __init__(self, path, field_name, message):
         super().__init__(f"{path}: field {field_name!r}: {message}")

@@ -10,7 +10,9 @@ stops with that one message before round 0.
 
 Where the data is: ``--data DIR`` or the ``FEDLABELS_DATA`` environment
 variable (each real site sets its own); neither -> the embedded synthetic
-scenario of the configuration's ``data.family``, generated on first use.
+scenario of the configuration's ``data.family``, generated on first use, in
+the simulator only (``FEDLABELS_DATA=embedded`` asks for it anywhere): a
+provisioned site without data refuses to start (``data_root``).
 Where the site keeps its state between rounds (for resuming):
 ``FEDLABELS_STATE`` (default ``./fedlabels_state`` in the site's workspace).
 What the site sent is recorded after nvflare's result filters, as it leaves
@@ -44,7 +46,7 @@ from .controller import FATAL, RUN, SUMMARY, TASKS, THREADS, VERSIONS, on_the_wi
 def build_parser():
     p = argparse.ArgumentParser(description="fedlabels FLARE client")
     p.add_argument("--config", default=FILE, help="the run configuration (looked up in the job's custom folder)")
-    p.add_argument("--data", default=None, help="scenario folder (default: $FEDLABELS_DATA, else the embedded one)")
+    p.add_argument("--data", default=None, help="scenario folder (default: $FEDLABELS_DATA; the embedded one in the simulator)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p
 
@@ -99,10 +101,28 @@ def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict, metrics
     return weights, meta, metrics
 
 
-def data_root(args, cfg: RunConfig) -> Path:
+EMBEDDED = "embedded"  # FEDLABELS_DATA=embedded: the embedded synthetic scenario, asked for by name
+
+
+def provisioned(here: Path | None) -> bool:
+    """Whether this site runs from a provisioned startup kit (POC or production): the job's custom folder
+    is ``<kit>/<job id>/app_<site>/custom`` and the kit holds the project's root certificate. A simulated
+    site's workspace has a ``startup`` folder without one."""
+    return here is not None and (Path(here).resolve().parents[2] / "startup" / "rootCA.pem").is_file()
+
+
+def data_root(args, cfg: RunConfig, here: Path | None = None) -> Path:
+    """The site's scenario folder: ``--data``, else ``FEDLABELS_DATA``, else the embedded synthetic one --
+    in the simulator, or when ``FEDLABELS_DATA=embedded``. A provisioned site with neither refuses to
+    start: the synthetic scenario's sites are named site-1 ... site-N, and a hospital kit of that name
+    would otherwise train on it and report it as the hospital's."""
     root = args.data or os.environ.get("FEDLABELS_DATA")
-    if root:
+    if root and root != EMBEDDED:
         return Path(root)
+    if not root and provisioned(here):
+        raise ValueError("FEDLABELS_DATA is not set: a provisioned site trains on its own scenario folder; set "
+                         f"FEDLABELS_DATA to it before startup/start.sh (or to {EMBEDDED!r} for the embedded "
+                         "synthetic data)")
     from ..data.synthetic import default_scenario
 
     return default_scenario(cfg.data.get("family", "cxr"), seed=cfg.seed, **cfg.data.get("synth", {}))
@@ -112,7 +132,7 @@ def prepare(cfg: RunConfig, args, site: str, here: Path | None):
     """Everything a site needs, validated before the first round."""
     cfg.validate("client")
     method = methods.get(cfg.method)
-    setup = setup_site(bundle_path(cfg.bundle, here), data_root(args, cfg), site, batch_size=cfg.data.get("batch_size"),
+    setup = setup_site(bundle_path(cfg.bundle, here), data_root(args, cfg, here), site, batch_size=cfg.data.get("batch_size"),
                        seed=cfg.seed, device=args.device, network_overrides=cfg.network, unlabeled=method.uses_unlabeled,
                        strong_view=method.strong_view, oracle=bool(cfg.data.get("oracle")),
                        config=cfg.bundle_config())
