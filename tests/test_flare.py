@@ -147,6 +147,23 @@ def test_a_hostile_reply_reaches_the_engine_and_is_dropped_there(reply, reason):
         np.testing.assert_allclose(out["w"], [(2 * 1 + 3 * 5) / 5] * 2)
 
 
+def test_job_py_sets_the_site_timeout(tmp_path, capsys):
+    """`job.py --site-timeout S` reaches the run configuration the server reads; 0 is refused (the
+    server would never wait); unset, the configuration leaves it out (the default)."""
+    from fedlabels.flare.job import run_cli
+
+    spec = JOBS["fedavg_cxr"]
+    run_cli(spec, ["--export", str(tmp_path / "a"), "--site-timeout", "90"])
+    assert json.loads((tmp_path / "a" / spec.name / "app" / "custom" / "fedlabels.json").read_text())[
+        "site_timeout"] == 90
+    run_cli(spec, ["--export", str(tmp_path / "b")])
+    assert "site_timeout" not in json.loads((tmp_path / "b" / spec.name / "app" / "custom" / "fedlabels.json")
+                                            .read_text())
+    with pytest.raises(SystemExit):
+        run_cli(spec, ["--export", str(tmp_path / "c"), "--site-timeout", "0"])
+    assert "--site-timeout 0: must be >= 1" in capsys.readouterr().err
+
+
 def test_privacy_noise_widens_the_case_bound():
     from fedlabels.config import RunConfig
     from fedlabels.flare.controller import case_bounds
