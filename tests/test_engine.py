@@ -591,3 +591,12 @@ def test_rules_drop_a_site_whose_meta_or_metrics_they_cannot_use(make, meta, met
     expected, _, _ = ref.run_round(0, HEADED, ["A", "C"])
     for k in HEADED:
         np.testing.assert_allclose(out[k], expected[k], err_msg=k)
+
+
+def test_the_final_evaluation_ignores_scores_that_are_not_finite_numbers():
+    """The final model's scores come from the sites too: text, NaN or inf never become the best."""
+    eng, _ = engine({"A": upd("A", 1, [1, 1], metrics={KEY: 0.5}), "B": upd("B", 1, [1, 1], metrics={KEY: 0.5})})
+    eng.run_round(0, GLOBAL, ["A", "B"])
+    assert eng.score_final({"A": "0.99", "B": float("inf")}, rounds=1) == (None, False)
+    assert eng.score_final({"A": float("nan"), "B": 0.7}, rounds=1) == (pytest.approx(0.7), True)
+    assert eng.best_scores == {"B": 0.7} and eng.best_round == 1
