@@ -115,7 +115,8 @@ class RunConfig:
                 raise ConfigError(path, name, f"expected {typ.__name__}, got {type(doc[name]).__name__}")
         timeout = doc.get("site_timeout")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int)):
-            raise ConfigError(path, "site_timeout", f"expected an integer (seconds) or null, got {type(timeout).__name__}")
+            raise ConfigError(path, "site_timeout",
+                              f"expected an integer (seconds) or null, got {type(timeout).__name__}")
         if doc.get("key_metric") is not None and not isinstance(doc["key_metric"], str):
             raise ConfigError(path, "key_metric", "expected a string or null")
         cfg = cls(**doc)

@@ -46,7 +46,8 @@ from .controller import FATAL, RUN, SUMMARY, TASKS, THREADS, VERSIONS, on_the_wi
 def build_parser():
     p = argparse.ArgumentParser(description="fedlabels FLARE client")
     p.add_argument("--config", default=FILE, help="the run configuration (looked up in the job's custom folder)")
-    p.add_argument("--data", default=None, help="scenario folder (default: $FEDLABELS_DATA; the embedded one in the simulator)")
+    p.add_argument("--data", default=None,
+                   help="scenario folder (default: $FEDLABELS_DATA; the embedded one in the simulator)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p
 
@@ -132,7 +133,8 @@ def prepare(cfg: RunConfig, args, site: str, here: Path | None):
     """Everything a site needs, validated before the first round."""
     cfg.validate("client")
     method = methods.get(cfg.method)
-    setup = setup_site(bundle_path(cfg.bundle, here), data_root(args, cfg, here), site, batch_size=cfg.data.get("batch_size"),
+    setup = setup_site(bundle_path(cfg.bundle, here), data_root(args, cfg, here), site,
+                       batch_size=cfg.data.get("batch_size"),
                        seed=cfg.seed, device=args.device, network_overrides=cfg.network, unlabeled=method.uses_unlabeled,
                        strong_view=method.strong_view, oracle=bool(cfg.data.get("oracle")),
                        config=cfg.bundle_config())
