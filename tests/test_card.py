@@ -115,3 +115,27 @@ def test_masks_follow_the_kind_of_input(tmp_path):
     assert [s.ext_for(f) for f in ("a.png", "b.JPG", "c.nii", "d.nii.gz", "e.dcm")] == \
         [".png", ".png", ".nii.gz", ".nii.gz", ".nii.gz"]
     assert SaveMaskd("pred", tmp_path, output_ext=".nii.gz").ext_for("a.png") == ".nii.gz"
+
+
+def test_the_card_names_the_round_and_the_sites_the_best_model_comes_from(tmp_path):
+    """The round the best model comes from is what the controller recorded (progress.json), not guessed
+    by matching scores: here round 0's mean equals the best score, yet round 2 was the best (scored
+    over site-1 alone once site-2 was lost)."""
+    import json
+
+    from fedlabels.bundle.workflows import run_provenance
+    from fedlabels.config import FILE, RunConfig
+
+    run = tmp_path / "run"
+    RunConfig(method="fedavg").save(run / "app_server" / "custom" / FILE)
+    (run / "progress.json").write_text(json.dumps({"next_round": 3, "best": 0.7, "method": "fedavg",
+                                                   "best_round": 2, "best_scored_by": ["site-1"]}))
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"round": 0, "sites": {"site-1": {}, "site-2": {}}, "mean_val_auroc": 0.7},
+        {"round": 1, "sites": {"site-1": {}, "site-2": {}}, "mean_val_auroc": 0.6},
+        {"round": 2, "sites": {"site-1": {}}, "mean_val_auroc": 0.7, "scored_by": ["site-1"]}]) + "\n")
+    prov = run_provenance(run, run / "app_server" / "best_FL_global_model.pt")
+    assert prov["model_after_rounds"] == 2 and prov["best_scored_by"] == ["site-1"]
+    text = card.model_card({"name": "x", "class_names": ["a"], "provenance": prov})
+    assert "The model after round(s): 2" in text
+    assert "Chosen as the best on the validation data of: site-1" in text

@@ -342,3 +342,116 @@ def test_job_py_writes_its_folder_with_out_and_explains_export(tmp_path):
     assert server["workflows"][0]["args"]["num_rounds"] == 3
     assert procs["--export"].returncode == 2 and "write the job folder with --out DIR" in err[1]
     assert "Traceback" not in err[1] and not (tmp_path / "export").exists()
+
+
+def _tree(root: Path) -> dict:
+    """Every path under ``root`` with its bytes (folders: None) and mode: what "left as it was" means."""
+    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes(), p.stat().st_mode)
+            for p in sorted(root.rglob("*"))}
+
+
+FOREIGN = "{out}"
+WRITERS = {
+    "synth": ["synth", "cxr", "--out", FOREIGN],
+    "prepare": ["prepare", "nih", "--src", "nowhere", "--protocol", "fedpsl-6", "--out", FOREIGN],
+    "bench": ["bench", "--data", "embedded:cxr", "--methods", "fedavg", "--rounds", "1", "--out", FOREIGN],
+    "simulate": ["simulate", "fedavg_cxr", "-w", FOREIGN],
+    "provision": ["provision", "--project", "p", "--server", "localhost", "--sites", "a,b", "--admin", "a@b.c",
+                  "--out", FOREIGN],
+    "demo": ["demo", "--out", FOREIGN],
+}
+
+
+@pytest.mark.parametrize("command", sorted(WRITERS))
+def test_a_command_never_writes_into_a_folder_it_did_not_write(command, tmp_path, capsys):
+    """`fedlabels export --out .` replaced the working folder whole. Every command that writes a folder
+    refuses a non-empty one that holds no earlier output of its own, exits non-zero with one line naming
+    the folder, and leaves it byte-identical; --force allows it."""
+    folder = tmp_path / "my notes"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "patients.csv").write_text("id,name\n1,x\n")
+    (folder / "sub" / "scan.png").write_bytes(bytes(range(256)))
+    before = _tree(folder)
+    argv = [a.replace(FOREIGN, str(folder)) for a in WRITERS[command]]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"fedlabels: {folder}: --") and "not empty and not an earlier" in err and "--force" in err
+    assert len(err.splitlines()) == 1
+    assert _tree(folder) == before
+    assert not [p for p in tmp_path.iterdir() if p.name != "my notes"]  # nothing written beside it either
+
+
+def test_export_refuses_a_folder_it_did_not_write_and_replaces_an_earlier_export(tmp_path, capsys):
+    """The export of a real checkpoint into a folder of other files: refused, byte-identical (today it
+    was replaced whole); with --force it is written; an earlier export is replaced without --force."""
+    import torch
+
+    from fedlabels.config import RunConfig
+    from fedlabels.nets import ResNet18Classifier
+
+    torch.manual_seed(0)
+    torch.save(ResNet18Classifier(in_channels=1, out_channels=6, widen_factor=0.25).state_dict(), tmp_path / "m.pt")
+    run = tmp_path / "run"
+    RunConfig("fedavg", bundle="cxr_resnet18", network={"widen_factor": 0.25},
+              data={"image_size": 32}).save(run / "app_server" / "custom" / "fedlabels.json")
+    folder = tmp_path / "work"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine\n")
+    before = _tree(folder)
+    argv = ["export", "--bundle", "cxr_resnet18", "--ckpt", str(tmp_path / "m.pt"), "--run", str(run),
+            "--out", str(folder)]
+    assert cli.main(argv) == 2
+    assert "not an earlier exported bundle" in capsys.readouterr().err
+    assert _tree(folder) == before
+    assert cli.main(argv + ["--force"]) == 0
+    assert (folder / "configs" / "metadata.json").is_file() and not (folder / "notes.txt").exists()
+    assert cli.main(argv) == 0  # an earlier export: replaced
+
+
+def test_job_folders_are_replaced_only_when_they_are_job_folders(tmp_path):
+    from fedlabels.flare.job import JOBS, export
+
+    target = tmp_path / "fedavg_cxr"
+    target.mkdir()
+    (target / "mine.txt").write_text("x")
+    with pytest.raises(ValueError, match="not an earlier FLARE job folder"):
+        export(JOBS["fedavg_cxr"], tmp_path)
+    assert [p.name for p in target.iterdir()] == ["mine.txt"]
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["simulate", "fedavg_cxr", "-n", "0"], "-n/--sites"),
+    (["simulate", "fedavg_cxr", "--rounds", "0"], "--rounds"),
+    (["simulate", "fedavg_cxr", "-t", "0"], "-t/--threads"),
+    (["synth", "cxr", "--cases", "0"], "--cases"),
+    (["demo", "--rounds", "0"], "--rounds"),
+    (["demo", "--cases", "0"], "--cases"),
+])
+def test_a_count_of_zero_is_an_error_not_the_default(argv, option, tmp_path, capsys):
+    """`--rounds 0` fell through `if args.rounds:` to the job's default rounds; each count is >= 1."""
+    out = ["-w" if argv[0] == "simulate" else "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv + out)
+    assert e.value.code == 2
+    assert f"argument {option}: must be >= 1, not 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_report_scores_the_network_the_run_trained(tmp_path, capsys):
+    """A run of the ResNet-18 bundle (a quarter as wide, 32 px): `report` without --bundle builds that
+    network from the run's fedlabels.json; it used to build DenseNet121, which cannot take the weights."""
+    import torch
+
+    from fedlabels.config import RunConfig
+    from fedlabels.nets import ResNet18Classifier
+
+    data = generate("cxr", tmp_path / "data", seed=0, cases=8, test_cases=8, size=32, sites=2)
+    run = tmp_path / "run"
+    RunConfig("fedavg", bundle="cxr_resnet18", network={"widen_factor": 0.25},
+              data={"image_size": 32}).save(run / "app_server" / "custom" / "fedlabels.json")
+    torch.manual_seed(0)
+    net = ResNet18Classifier(in_channels=1, out_channels=6, widen_factor=0.25)
+    torch.save({"model": net.state_dict()}, run / "app_server" / "best_FL_global_model.pt")
+    assert cli.main(["report", f"r={run}", "--data", str(data)]) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0] == "| class | sites labeling it | r |" and "**mean**" in table, table

@@ -56,6 +56,7 @@ def test_missing_method_and_unreadable_files(tmp_path):
 @pytest.mark.parametrize("field, value", [
     ("seed", "0"), ("seed", True), ("seed", 0.5), ("min_sites", "1"), ("client", ["lr", 0.1]),
     ("server", None), ("faults", "site-1:crash:2"), ("method", 3), ("key_metric", 1),
+    ("site_timeout", "60"), ("site_timeout", 1.5), ("site_timeout", True),
 ])
 def test_bad_types_fail_with_the_field_named(tmp_path, field, value):
     path = write(tmp_path, {"method": "fedavg", field: value})
@@ -71,6 +72,16 @@ def test_min_sites_below_one_fails_validation(tmp_path):
         with pytest.raises(ConfigError, match="'min_sites'") as err:  # ... the value is not
             cfg.validate(side)
         assert str(path) in str(err.value)
+
+
+def test_site_timeout_is_seconds_and_left_out_when_unset(tmp_path):
+    """A hung site is left out after site_timeout seconds (fedlabels.flare.controller); 0 or less would
+    never wait, unset is the default (and keeps older configurations byte-identical)."""
+    cfg = RunConfig.load(write(tmp_path, {"method": "fedavg", "site_timeout": 0}))
+    with pytest.raises(ConfigError, match="'site_timeout'"):
+        cfg.validate("server")
+    assert "site_timeout" not in RunConfig(method="fedavg").to_json()
+    assert RunConfig.from_json(RunConfig(method="fedavg", site_timeout=90).to_json()).site_timeout == 90
 
 
 def test_server_options_are_checked_by_the_server_rule(tmp_path):

@@ -9,6 +9,7 @@ from its saved state ends with the global weights of the uninterrupted run.
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import numpy as np
@@ -119,6 +120,55 @@ def test_faulty_updates_are_dropped_with_a_reason(bad, reason):
     assert reason in record["dropped"]["B"], record["dropped"]
     assert list(record["dropped"]) == ["B"] and record["aggregated"]
     assert any("B: update dropped" in m for lvl, m in eng.logs if lvl == "warning")
+
+
+# Hostile or broken replies (tracker issue 22, item 3): each is dropped with its reason, the others
+# aggregate, and nothing of it reaches the global model or stops the round.
+HOSTILE = [
+    (upd("B", "3", [5, 5]), "case count '3' is not a positive integer"),
+    (upd("B", np.float32(3), [5, 5]), "is not a positive integer"),
+    (upd("B", 10**9, [5, 5]), "exceeds the 40 the site can train on"),  # B declared 20 cases x 2 epochs
+    (Update("B", {"w": np.array([5, 5], dtype=np.float64), "nbt": np.array(1)}, 3), "dtype of w is float64"),
+    (Update("B", {"w": np.array(["5", "5"]), "nbt": np.array(1)}, 3), "dtype of w is <U1"),
+    (Update("B", {"w": np.array([5, None], dtype=object), "nbt": np.array(1)}, 3), "dtype of w is object"),
+    (Update("B", [np.zeros(2)], 3), "not a mapping of arrays"),
+    (Update("B", upd("B", 3, [5, 5]).weights, 3, {}, {}, ["x"]), "extras are a list"),
+    (upd("B", 3, [5, 5], extras={"counts": np.array(["a", "b"])}), "extra 'counts' is not numeric"),
+    (upd("B", 3, [5, 5], extras={"counts": [1.0, [2.0]]}), "extra 'counts' is not an array"),
+]
+
+
+@pytest.mark.parametrize("bad, reason", HOSTILE)
+def test_hostile_replies_are_dropped_with_a_reason(bad, reason):
+    bound = {"max_n": {"A": 40, "B": 40}} if "exceeds" in reason else {}  # the sites' declared cases x epochs
+    eng, _ = engine({"A": upd("A", 1, [1, 1]), "B": bad, "C": upd("C", 1, [3, 3])}, **bound)
+    out, record, _ = eng.run_round(0, GLOBAL, ["A", "B", "C"])
+    np.testing.assert_allclose(out["w"], [2.0, 2.0])  # A and C only
+    assert out["w"].dtype == np.float32 and out["nbt"].dtype == np.int64
+    assert reason in record["dropped"]["B"], record["dropped"]
+    assert list(record["dropped"]) == ["B"] and record["aggregated"]
+    json.dumps(record)  # the record stays writable (metrics.jsonl)
+    assert any("B: update dropped: " in m and reason in m for lvl, m in eng.logs if lvl == "warning"), eng.logs
+
+
+def test_a_case_count_within_the_declared_bound_is_used():
+    eng, _ = engine({"A": upd("A", 1, [1, 1]), "B": upd("B", 40, [5, 5])}, max_n={"B": 40})
+    out, record, _ = eng.run_round(0, GLOBAL, ["A", "B"])
+    assert record["dropped"] == {} and out["w"][0] == pytest.approx((1 + 40 * 5) / 41)
+
+
+def test_a_rule_error_on_site_sent_data_keeps_the_model_and_the_job_goes_on():
+    """A rule that raises inside aggregate on what a site sent (a check it did not declare in
+    ``screen``) loses that step, logged; the engine itself never raises."""
+    class Picky(FedAvgServer):
+        def aggregate(self, updates, global_weights, round):
+            raise ValueError("site 'B' sent something this rule cannot read")
+
+    eng, _ = engine({"A": upd("A", 1, [1, 1]), "B": upd("B", 1, [5, 5])}, server=Picky())
+    out, record, _ = eng.run_round(0, GLOBAL, ["A", "B"])
+    np.testing.assert_array_equal(out["w"], GLOBAL["w"])
+    assert record["aggregated"] is False
+    assert any("aggregation failed on the sites' updates (ValueError: " in m for _, m in eng.logs)
 
 
 def test_a_site_that_sends_nothing_back_is_dropped():
@@ -266,19 +316,62 @@ def test_best_tracks_the_same_sites_every_round():
     w, results = GLOBAL, []
     for rnd in range(5):
         w, record, best = eng.run_round(rnd, w, ["A", "B", "C"])
-        results.append((record[f"mean_{KEY}"], best is not None))
+        results.append((record[f"mean_{KEY}"], best is not None, record["scored_by"]))
         if rnd == 1:
             assert "A" in record["dropped"]  # dropped update, yet its score of the received model counts
     assert eng.scorers == ["A", "B"]  # fixed by round 0; C (no metric then) never enters the mean
-    assert results[0] == (pytest.approx(0.6), True)
-    assert results[1] == (pytest.approx(0.8), True)
-    assert results[2] == (None, False)  # B reported nothing: not a candidate, whatever A says
-    assert results[3] == (pytest.approx(0.3), False)
-    assert results[4] == (pytest.approx(0.725), False)  # an abstaining site still scores: (0.95 + 0.5) / 2
-    assert eng.best == pytest.approx(0.8)
-    assert eng.score_final({"A": 0.9, "B": 0.9, "C": 0.0}) == (pytest.approx(0.9), True)
-    assert eng.score_final({"A": 1.0}) == (None, False)
-    assert eng.best == pytest.approx(0.9)
+    assert results[0] == (pytest.approx(0.6), True, ["A", "B"])
+    assert results[1] == (pytest.approx(0.8), True, ["A", "B"])
+    # B reported nothing: scored over A alone, against the best's score at A (0.9): not better
+    assert results[2] == (pytest.approx(0.9), False, ["A"])
+    assert any("['B'] reported no finite val_auroc; the round is scored over ['A']" in m for _, m in eng.logs)
+    assert results[3] == (pytest.approx(0.3), False, ["A", "B"])
+    assert results[4] == (pytest.approx(0.725), False, ["A", "B"])  # an abstaining site still scores: (0.95 + 0.5) / 2
+    assert eng.best == pytest.approx(0.8) and eng.best_round == 1
+    assert eng.score_final({"A": 0.9, "B": 0.9, "C": 0.0}, rounds=5) == (pytest.approx(0.9), True)
+    assert eng.best_round == 5
+    # B lost for good: the final model still competes, over A (1.0 > the best's 0.9 at A)
+    assert eng.score_final({"A": 1.0}, rounds=6) == (pytest.approx(1.0), True)
+    assert eng.best == pytest.approx(1.0) and eng.best_scores == {"A": 1.0} and eng.best_round == 6
+
+
+def test_a_lost_scoring_site_does_not_end_best_model_tracking():
+    """The "kill a hospital" drill: B scores rounds 0-1 and is gone after; A's later, better scores
+    still make new best models, compared with the best's score at A, not with the A+B mean."""
+    gone = lambda w, r, s: None  # noqa: E731
+    answers = {"A": scripted("A", [(1, [1, 1], 0.5), (1, [1, 1], 0.6), (1, [1, 1], 0.45), (1, [1, 1], 0.7)]),
+               "B": lambda w, r, s: scripted("B", [(1, [1, 1], 0.9), (1, [1, 1], 0.8)])(w, r, s) if r < 2
+               else gone(w, r, s)}
+    eng, _ = engine(answers)
+    w, bests = GLOBAL, []
+    for rnd in range(4):
+        w, record, best = eng.run_round(rnd, w, ["A", "B"])
+        bests.append(best is not None)
+    # round 1: 0.7 = 0.7 over A+B, not better; rounds 2-3: A alone against the best's 0.5 at A
+    assert bests == [True, False, False, True]
+    assert eng.best_round == 3 and record["scored_by"] == ["A"] and eng.best == pytest.approx(0.7)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "0.99", [0.9], None])
+def test_a_non_finite_or_non_numeric_score_never_becomes_best(bad):
+    """NaN would replace the best (every comparison with NaN is False, so nothing beats it again) and +inf
+    would pin it for good; a string or list would stop the job in float(). Each is left unscored,
+    logged, and the round goes on."""
+    metrics = {KEY: bad, "other": object()}
+    answers = {"A": scripted("A", [(1, [1, 1], 0.5), (1, [1, 1], 0.6), (1, [1, 1], 0.7)]),
+               "B": lambda w, r, s: upd("B", 1, [1, 1], metrics={KEY: 0.5} if r != 1 else metrics)}
+    eng, _ = engine(answers)
+    w, bests = GLOBAL, []
+    for rnd in range(3):
+        w, record, best = eng.run_round(rnd, w, ["A", "B"])
+        bests.append(best is not None)
+        json.dumps(record)  # the record stays writable (metrics.jsonl)
+        if rnd == 1:
+            assert record["scored_by"] == ["A"] and record["aggregated"]
+            assert record["sites"]["B"]["n"] == 1 and "other" not in record["sites"]["B"]
+    assert bests == [True, True, True] and eng.best == pytest.approx(0.6) and eng.best_round == 2
+    if bad is not None:
+        assert any("B:" in m and ("not finite" in m or "not a number" in m) for _, m in eng.logs), eng.logs
 
 
 def test_no_metric_anywhere_is_never_best():
@@ -335,7 +428,9 @@ def test_state_dict_round_trip():
     for rnd in range(2):
         w, _, _ = first.run_round(rnd, w, sites)
     saved = pickle.loads(pickle.dumps(first.state_dict()))
-    assert saved == {"server": {"count": 6}, "best": pytest.approx(0.6), "scorers": ["A", "B"], "aggregated_rounds": 2}
+    # round 1: B sent no score, A's 0.8 beats the best's 0.5 at A: the best is scored over A alone
+    assert saved == {"server": {"count": 6}, "best": pytest.approx(0.8), "scorers": ["A", "B"], "aggregated_rounds": 2,
+                     "best_scores": {"A": pytest.approx(0.8)}, "best_round": 1}
     second, _ = engine(answers, server=Counting())
     second.load_state_dict(saved)
     out = []
@@ -343,7 +438,7 @@ def test_state_dict_round_trip():
         w, record, best = second.run_round(rnd, w, sites)
         out.append((record[f"mean_{KEY}"], best is not None))
     assert out == out_whole[2:]
-    assert out[0] == (pytest.approx(0.6), False)  # not better than round 0's 0.6: the saved best counts
+    assert out[0] == (pytest.approx(0.6), False)  # A's 0.6 is not better than the saved best's 0.8 at A
     for k in GLOBAL:
         np.testing.assert_array_equal(w[k], w_whole[k])
     assert second.state_dict() == whole.state_dict()
@@ -435,3 +530,73 @@ def test_resume_from_saved_state_is_exact(cxr, tmp_path, method, client_options)
             assert loss == pytest.approx(ref, abs=1e-6), (s, ours["round"])
         mine, ref = ours[f"mean_{eng.key_metric}"], theirs[f"mean_{eng.key_metric}"]
         assert (mine is None and ref is None) or mine == pytest.approx(ref, abs=1e-6), (mine, ref)
+
+
+# ------------------------------------------------------------------ rules reading site-sent meta and metrics
+
+HEADED = {"feat": np.zeros(2, dtype=np.float32), "head.weight": np.zeros((3, 2), dtype=np.float32),
+          "head.bias": np.zeros(3, dtype=np.float32)}
+SUMMARY = {"cases": 10, "annotated": [10, 10, 0], "labeled_mask": [1, 1, 0]}
+
+
+def headed(site, value, meta=None, metrics=None):
+    w = {k: np.full_like(v, value) for k, v in HEADED.items()}
+    return Update(site, w, 10, {"head_name": "head", **SUMMARY, **(meta or {})},
+                  {"train_loss": 0.5, **(metrics or {})})
+
+
+def _surgical():
+    from fedlabels.methods.surgical import SurgicalServer
+
+    return SurgicalServer()
+
+
+def _tdma():
+    from fedlabels.methods.fedpsl import TDMAServer
+
+    return TDMAServer()
+
+
+def _fedmix():
+    from fedlabels.methods.fedmix import AdaptiveAggServer
+
+    return AdaptiveAggServer()
+
+
+@pytest.mark.parametrize("make, meta, metrics, reason", [
+    (_surgical, {"labeled_mask": [1, 1]}, {}, "has shape (2,), the head has 3 classes"),
+    (_surgical, {"labeled_mask": ["a", "b", "c"]}, {}, "could not convert"),
+    (_surgical, {"labeled_mask": [1, 1, 1]}, {}, "differs from the label summary the site declared"),
+    (_surgical, {"head_name": "feat"}, {}, "names no head of the global model"),
+    (_tdma, {"annotated": [10, 1e12, 0]}, {}, "differs from the label summary the site declared"),
+    (_tdma, {"annotated": [10, float("nan"), 0]}, {}, "not finite and >= 0"),
+    (_tdma, {"annotated": [10, -5, 0]}, {}, "not finite and >= 0"),
+    (_fedmix, {}, {"train_loss": "low"}, "train_loss='low' is not a finite number"),
+    (_fedmix, {}, {"train_loss": float("nan")}, "is not a finite number >= 0"),
+    (_fedmix, {}, {"train_loss": -1.0}, "is not a finite number >= 0"),
+])
+def test_rules_drop_a_site_whose_meta_or_metrics_they_cannot_use(make, meta, metrics, reason):
+    """Surgical / FedPSL read per-class weights from the site's meta, FedMix its train_loss: a bad one
+    is the site's fault, dropped with the rule's reason; the other sites aggregate as if it never came."""
+    server = make()
+    server.setup({s: dict(SUMMARY) for s in "ABC"})
+    eng, _ = engine({"A": headed("A", 1.0), "B": headed("B", 100.0, meta, metrics), "C": headed("C", 3.0)},
+                    server=server)
+    out, record, _ = eng.run_round(0, HEADED, ["A", "B", "C"])
+    assert reason in record["dropped"].get("B", ""), (record["dropped"], eng.logs)
+    assert list(record["dropped"]) == ["B"] and record["aggregated"]
+    clean = make()
+    clean.setup({s: dict(SUMMARY) for s in "ABC"})
+    ref, _ = engine({"A": headed("A", 1.0), "C": headed("C", 3.0)}, server=clean)
+    expected, _, _ = ref.run_round(0, HEADED, ["A", "C"])
+    for k in HEADED:
+        np.testing.assert_allclose(out[k], expected[k], err_msg=k)
+
+
+def test_the_final_evaluation_ignores_scores_that_are_not_finite_numbers():
+    """The final model's scores come from the sites too: text, NaN or inf never become the best."""
+    eng, _ = engine({"A": upd("A", 1, [1, 1], metrics={KEY: 0.5}), "B": upd("B", 1, [1, 1], metrics={KEY: 0.5})})
+    eng.run_round(0, GLOBAL, ["A", "B"])
+    assert eng.score_final({"A": "0.99", "B": float("inf")}, rounds=1) == (None, False)
+    assert eng.score_final({"A": float("nan"), "B": 0.7}, rounds=1) == (pytest.approx(0.7), True)
+    assert eng.best_scores == {"B": 0.7} and eng.best_round == 1

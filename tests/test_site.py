@@ -1,5 +1,7 @@
 """A site's setup from its bundle: the strong second view a method may ask for."""
 
+import pickle
+
 import pytest
 import torch
 
@@ -58,3 +60,63 @@ def test_training_draws_leave_the_cached_cases_unchanged(family, bundle, tmp_pat
     assert drawn == 3 * len(cached)
     for old, case in zip(before, cached._cache):
         assert all(torch.equal(v, case[k]) for k, v in old.items())
+
+
+class _RunsCode:
+    """A pickled object that, unpickled in full, runs code (here: writes a file)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_state_file_is_loaded_as_data_never_as_code(tmp_path):
+    """A site state file may come from another machine (a FedBN hospital's personal model is built from
+    it): it is read with weights_only=True, so a file naming code is refused and the code never runs.
+    A real one, NumPy arrays included (FedMLP's tags), still loads."""
+    import numpy as np
+
+    from fedlabels.methods.base import load_state_file, personal_model
+    from fedlabels.site import load_state
+
+    marker = tmp_path / "ran"
+    torch.save({"round": 0, "run": None, "state": {"bn": {"bn.weight": torch.ones(2)}, "x": _RunsCode(marker)}},
+               tmp_path / "evil.pt")
+    with pytest.raises(ValueError, match="not a site state file"):
+        personal_model({"bn.weight": np.zeros(2, dtype=np.float32)}, tmp_path / "evil.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        load_state(tmp_path / "evil.pt", None, before=1)
+    assert not marker.exists()
+    good = {"round": 3, "run": "r", "state": {"bn": {"bn.weight": torch.ones(2)}, "tags": np.zeros((2, 3), np.int8),
+                                             "lr": np.float64(0.5)}}
+    torch.save(good, tmp_path / "good.pt")
+    assert load_state_file(tmp_path / "good.pt")["state"]["tags"].shape == (2, 3)
+    assert personal_model({"bn.weight": np.zeros(2, dtype=np.float32)}, tmp_path / "good.pt")["bn.weight"].sum() == 2
+
+
+def test_a_provisioned_site_without_data_refuses_to_start(tmp_path, monkeypatch):
+    """A hospital's kit named site-1 (as the embedded scenario's sites are) with FEDLABELS_DATA unset
+    used to train on the synthetic data and report it as its own; it now refuses in one line. The
+    simulator's site workspace (no root certificate) and FEDLABELS_DATA=embedded still get the
+    embedded data; a folder named in FEDLABELS_DATA is used as is."""
+    import argparse
+
+    from fedlabels.config import RunConfig
+    from fedlabels.flare.client import data_root
+
+    kit = tmp_path / "site-1"
+    here = kit / "1234-job" / "app_site-1" / "custom"
+    here.mkdir(parents=True)
+    (kit / "startup").mkdir()
+    (kit / "startup" / "rootCA.pem").write_text("-----BEGIN CERTIFICATE-----\n")
+    args, cfg = argparse.Namespace(data=None), RunConfig(method="fedavg")
+    monkeypatch.delenv("FEDLABELS_DATA", raising=False)
+    with pytest.raises(ValueError, match="FEDLABELS_DATA is not set: a provisioned site"):
+        data_root(args, cfg, here)
+    monkeypatch.setenv("FEDLABELS_DATA", str(tmp_path / "hospital-data"))
+    assert data_root(args, cfg, here) == tmp_path / "hospital-data"
+    monkeypatch.delenv("FEDLABELS_DATA")
+    (kit / "startup" / "rootCA.pem").unlink()  # the simulator's workspace: the embedded data
+    assert (data_root(args, cfg, here) / "scenario.yaml").is_file()

@@ -26,6 +26,7 @@ import os
 import re
 import sys
 
+from .config import positive_int
 from .profile import ScenarioError
 
 # Subcommands defined in flare/commands.py. Registering them imports NVIDIA FLARE
@@ -38,6 +39,32 @@ FLARE_COMMANDS = ("jobs", "simulate", "report", "demo")
 # with profile.load_scenario first, so a malformed scenario is one ScenarioError
 # line before any model code is imported or trained.
 SCENARIO_COMMANDS = ("baseline", "simulate", "report", "export")
+
+# Subcommands that write a folder, some replacing it whole: (its option, what an earlier output of the
+# command always holds, what it is). main() refuses a non-empty folder holding none of these unless
+# --force: `export --out .` must not wipe the working folder. (import checks its own --out: it
+# reads the scenario's generator.)
+OUTPUTS = {
+    "export": ("out", ("configs/metadata.json",), "exported bundle"),
+    "synth": ("out", ("scenario.yaml",), "scenario"),
+    "prepare": ("out", ("scenario.yaml",), "scenario"),
+    "bench": ("out", ("results.csv", "cells"), "bench output"),
+    "simulate": ("workspace", ("simulator.log", "ws", "jobs"), "simulate workspace"),
+    "provision": ("out", ("project.yml",), "provisioning workspace"),
+    "demo": ("out", ("jobs", "ws", "comparison.md"), "demo output"),
+}
+
+
+def check_outputs(args) -> None:
+    """Refuse a command's output folder when it is not empty and not the command's earlier output."""
+    if args.command not in OUTPUTS:
+        return
+    from .profile import check_output_dir
+
+    attr, markers, what = OUTPUTS[args.command]
+    if getattr(args, attr, None):
+        check_output_dir(getattr(args, attr), markers, what, force=args.force,
+                         option="--" + attr if attr == "out" else "--workspace")
 
 
 def _say(msg: str) -> None:
@@ -139,9 +166,9 @@ def build_parser(flare: bool = True) -> argparse.ArgumentParser:
     s.add_argument("family", choices=["cxr", "medmnist", "lesion"])
     s.add_argument("--out", required=True)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--size", type=int, help="image size in pixels")
-    s.add_argument("--cases", type=int, help="cases per site (medmnist: in total)")
-    s.add_argument("--test-cases", type=int)
+    s.add_argument("--size", type=positive_int, help="image size in pixels")
+    s.add_argument("--cases", type=positive_int, help="cases per site (medmnist: in total)")
+    s.add_argument("--test-cases", type=positive_int)
     s.add_argument("--sites", type=int, default=4,
                    help="number of sites (cxr: site k labels like FedPSL Table I's site k mod 4; default 4)")
     s.add_argument("--gamma", type=float, default=0.8, help="medmnist: Dirichlet label skew")
@@ -213,6 +240,10 @@ def build_parser(flare: bool = True) -> argparse.ArgumentParser:
         from .flare import commands as flare_commands
 
         flare_commands.add_parsers(sub)
+    for name in OUTPUTS.keys() & sub.choices.keys():
+        sub.choices[name].add_argument("--force", action="store_true",
+                                       help="write into a non-empty output folder that is not an earlier output "
+                                            "of this command (what it writes replaces what is there)")
     return p
 
 
@@ -255,6 +286,7 @@ def main(argv=None) -> int:
     args = build_parser(flare=_needs_flare(argv)).parse_args(argv)
     try:
         check_scenario(args)
+        check_outputs(args)
         args.fn(args)
     except ScenarioError as e:
         print(f"fedlabels: invalid scenario: {_one_line(e)}", file=sys.stderr)

@@ -29,6 +29,27 @@ FILE = "fedlabels.json"
 KEY_METRICS = {"multilabel": "val_auroc", "multiclass": "val_accuracy", "segmentation": "val_dice"}
 # Precision of the weights sent each way (float16: nvflare's ModelQuantizer/ModelDequantizer filters).
 TRANSFERS = ("float32", "float16")
+# Seconds the server waits for a site's answer to one task (a round's training, the handshake, the final
+# evaluation) before it leaves the site out of that step and goes on: a hung site cannot stall the
+# federation. An hour fits a round of the shipped jobs on a CPU-only site; set it per job (job.py
+# --site-timeout) to a few times the slowest site's round. Unset (None), it applies to deployments
+# (POC, provisioned) only: in the simulator, with fewer worker threads than sites, a site waits for its
+# turn without having hung, so the simulator waits unless the job sets the option.
+DEFAULT_SITE_TIMEOUT = 3600
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1. A count of 0 (sites, rounds, cases) would otherwise fall through
+    an ``if value:`` to the default and mean something the user did not ask for."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
 
 
 class ConfigError(ValueError):
@@ -51,11 +72,14 @@ class RunConfig:
     faults: list = field(default_factory=list)   # fault drills "SITE:KIND:ROUND" (flare/client.py)
     transfer: str = "float32"                    # weights on the wire; "float16": nvflare's quantization filters
     privacy: dict = field(default_factory=dict)  # noise_multiplier, clip, delta: the label summary leaves noised
+    site_timeout: int | None = None              # seconds a site has to answer a task before it is left out
 
     def to_json(self) -> dict:
         doc = dataclasses.asdict(self)
         if not doc["privacy"]:
             del doc["privacy"]  # off is left out: configurations written before the option stay as they were
+        if doc["site_timeout"] is None:
+            del doc["site_timeout"]  # likewise
         return doc
 
     def save(self, path) -> Path:
@@ -89,6 +113,10 @@ class RunConfig:
         for name, typ in types.items():
             if name in doc and not isinstance(doc[name], typ) or isinstance(doc.get(name), bool) and typ is int:
                 raise ConfigError(path, name, f"expected {typ.__name__}, got {type(doc[name]).__name__}")
+        timeout = doc.get("site_timeout")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int)):
+            raise ConfigError(path, "site_timeout",
+                              f"expected an integer (seconds) or null, got {type(timeout).__name__}")
         if doc.get("key_metric") is not None and not isinstance(doc["key_metric"], str):
             raise ConfigError(path, "key_metric", "expected a string or null")
         cfg = cls(**doc)
@@ -115,6 +143,8 @@ class RunConfig:
             raise ConfigError(path, side, str(e)) from None
         if self.min_sites < 1:
             raise ConfigError(path, "min_sites", "must be >= 1")
+        if self.site_timeout is not None and self.site_timeout < 1:
+            raise ConfigError(path, "site_timeout", "must be >= 1 (seconds a site has to answer a task)")
         size = self.data.get("image_size")
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 8):
             raise ConfigError(path, "data.image_size", f"expected an integer >= 8 (pixels), not {size!r}")

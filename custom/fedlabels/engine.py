@@ -27,30 +27,92 @@ class NoProgress(RuntimeError):
     """No round of the run aggregated anything."""
 
 
-def screen_update(update: Update, reference: dict, extra_shapes: dict | None = None) -> str | None:
-    """Why an update must be dropped, or None when it is usable."""
-    if update.n is None:
+def screen_update(update: Update, reference: dict, extra_shapes: dict | None = None,
+                  max_n: int | None = None) -> str | None:
+    """Why an update must be dropped, or None when it is usable.
+
+    Everything here came from a site and may be broken or hostile: the case count
+    must be a positive integer no larger than ``max_n`` (what the site declared at
+    the handshake: an unbounded count would let one site outweigh all others),
+    the weights a mapping of the global model's own keys, shapes and dtypes (a
+    string or object array of the right shape would pass a float-only check and
+    fail in aggregation; another float dtype would silently change the global
+    model's), finite; extras a mapping of finite numbers (or, for a rule that
+    reads nested content and checks it itself, mappings)."""
+    n = update.n
+    if n is None:
         return "no case count (meta 'n'): an update is never weighted by a guess"
-    if isinstance(update.n, bool) or not isinstance(update.n, (int, np.integer)) or update.n <= 0:
-        return f"case count {update.n!r} is not a positive integer (a site with nothing to train on abstains)"
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0:
+        return f"case count {_short(n)} is not a positive integer (a site with nothing to train on abstains)"
+    if max_n is not None and n > max_n:
+        return (f"case count {int(n)} exceeds the {max_n} the site can train on (its declared cases at the "
+                "handshake x epochs)")
+    if not isinstance(update.weights, dict):
+        return f"weights are a {type(update.weights).__name__}, not a mapping of arrays"
     if not update.weights:
         return "empty update"
-    unknown = sorted(set(update.weights) - set(reference))
+    unknown = sorted(map(str, set(update.weights) - set(reference)))
     if unknown:
         return f"unknown keys {unknown[:3]}"
     for key, value in update.weights.items():
-        arr = np.asarray(value)
-        if arr.shape != np.shape(reference[key]):
-            return f"shape of {key} is {arr.shape}, expected {np.shape(reference[key])}"
+        try:
+            arr = np.asarray(value)
+        except (TypeError, ValueError) as e:
+            return f"{key} is not an array ({_short(e)})"
+        want = np.asarray(reference[key])
+        if arr.shape != want.shape:
+            return f"shape of {key} is {arr.shape}, expected {want.shape}"
+        if arr.dtype != want.dtype:
+            return f"dtype of {key} is {arr.dtype}, the global model's is {want.dtype}"
         if arr.dtype.kind == "f" and not np.isfinite(arr).all():
             return f"non-finite values in {key}"
-    for key, value in (update.extras or {}).items():
-        arr = np.asarray(value)
+    extras = update.extras if update.extras is not None else {}
+    if not isinstance(extras, dict):
+        return f"extras are a {type(extras).__name__}, not a mapping"
+    for key, value in extras.items():
+        if isinstance(value, dict) and not (extra_shapes and key in extra_shapes):
+            continue  # nested content (FedMLP's prototypes): the rule checks it (ServerRule.screen)
+        try:
+            arr = np.asarray(value)
+        except (TypeError, ValueError) as e:
+            return f"extra {key!r} is not an array ({_short(e)})"
         if extra_shapes and key in extra_shapes and arr.shape != tuple(extra_shapes[key]):
             return f"shape of extra {key!r} is {arr.shape}, expected {tuple(extra_shapes[key])}"
-        if arr.dtype.kind in "fc" and not np.isfinite(arr).all():
+        if arr.dtype.kind not in "biuf":
+            return f"extra {key!r} is not numeric (dtype {arr.dtype})"
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
             return f"non-finite values in extra {key!r}"
     return None
+
+
+def clean_metrics(metrics) -> tuple:
+    """(the numeric metrics of a site's reply as floats, what was left out and why). A site's metrics
+    go into the round record (JSON, TensorBoard) and its key metric into the best-model score: a
+    value that is not a number is left out there, never passed on."""
+    if not isinstance(metrics, dict):
+        return {}, [f"metrics are a {type(metrics).__name__}, not a mapping"]
+    out, left = {}, []
+    for key, value in metrics.items():
+        if isinstance(key, str) and isinstance(value, (int, float, np.integer, np.floating)) \
+                and not isinstance(value, (bool, np.bool_)):
+            out[key] = float(value)
+        else:
+            left.append(f"metric {_short(key)}={_short(value)} is not a number")
+    return out, left
+
+
+def _short(value, limit: int = 60) -> str:
+    """A site-sent value as it may appear in a log line: repr, cut short."""
+    try:
+        text = repr(value)
+    except Exception:  # a hostile object's __repr__
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# What a server rule's aggregation may raise on what sites sent (a rule's check it
+# did not declare in ``screen``): the step keeps its model, the job goes on.
+RULE_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, ArithmeticError)
 
 
 def finite(weights: dict) -> bool:
@@ -62,25 +124,39 @@ def _direct(updates, fn):
 
 
 class RoundEngine:
-    """Runs rounds of one server rule. ``log(level, message)``; levels "info", "warning"."""
+    """Runs rounds of one server rule. ``log(level, message)``; levels "info", "warning".
 
-    def __init__(self, server, send, *, key_metric: str, min_sites: int = 1, aggregate=_direct, log=None):
+    ``max_n``: per site, the largest case count an update may carry (the cases it declared at the
+    handshake times its local epochs); a site not in it is not bounded."""
+
+    def __init__(self, server, send, *, key_metric: str, min_sites: int = 1, aggregate=_direct, log=None,
+                 max_n: dict | None = None):
         if min_sites < 1:
             raise ValueError(f"min_sites must be >= 1, got {min_sites}")
         self.server, self.send, self.aggregate_hook = server, send, aggregate
         self.key_metric, self.min_sites = key_metric, min_sites
+        self.max_n = dict(max_n or {})
         self.log = log or (lambda level, msg: None)
         self.best, self.scorers, self.aggregated_rounds = None, None, 0
+        # The best model's per-site scores and the round whose sites validated it (the model they
+        # received at its start; "final" rounds = the number of rounds): a later round is compared
+        # with it over the sites both have scores from, so losing a site never ends best-model tracking.
+        self.best_scores, self.best_round = {}, None
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
-        return {"server": self.server.state_dict(), "best": self.best,
-                "scorers": self.scorers, "aggregated_rounds": self.aggregated_rounds}
+        return {"server": self.server.state_dict(), "best": self.best, "scorers": self.scorers,
+                "aggregated_rounds": self.aggregated_rounds, "best_scores": self.best_scores,
+                "best_round": self.best_round}
 
     def load_state_dict(self, state: dict) -> None:
         self.server.load_state_dict(state["server"])
         self.best, self.scorers = state["best"], state["scorers"]
         self.aggregated_rounds = state["aggregated_rounds"]
+        # state saved before these were kept: the best's sites are the scorers (it had all of them)
+        self.best_scores = dict(state.get("best_scores") or ({s: self.best for s in self.scorers or []}
+                                                             if self.best is not None else {}))
+        self.best_round = state.get("best_round")
 
     # ---------------------------------------------------------------- round
     def run_round(self, rnd: int, weights: dict, sites: list) -> tuple:
@@ -97,7 +173,8 @@ class RoundEngine:
                 results = [self._train(step, list(g), origin, rnd, record, scores, scored, draw)
                            for draw, g in enumerate(step.groups)]
                 results = [r for r in results if r is not None]
-                new = self.server.combine(results, origin, rnd, step) if results else None
+                new = self._rule(rnd, step, lambda: self.server.combine(results, origin, rnd, step)) if results \
+                    else None
             else:
                 new = self._train(step, list(step.sites), origin, rnd, record, scores, scored)
             if new is not None and not finite(new):
@@ -107,16 +184,26 @@ class RoundEngine:
             previous = origin if new is None else new
         record["aggregated"] = any(s["aggregated"] for s in record["steps"])
         self.aggregated_rounds += record["aggregated"]
-        record[f"mean_{self.key_metric}"] = score = self._score(rnd, scores)
+        score, present = self._score(rnd, scores)
+        record[f"mean_{self.key_metric}"] = score
+        record["scored_by"] = present
         models = list({id(m): m for m in scored.values()}.values())
         if score is not None and len(models) > 1:
             self.log("warning", f"round {rnd}: the scoring sites validated different models (steps from different "
                                 "starts); the round is not a best-model candidate")
             return previous, record, None
-        if score is None or (self.best is not None and score <= self.best):
+        if not self._better(rnd, scores, present):
             return previous, record, None
-        self.best = score
         return previous, record, models[0]
+
+    def _rule(self, rnd, step, fn):
+        """A server rule's aggregation; None (model kept, logged) when it fails on what the sites sent."""
+        try:
+            return fn()
+        except RULE_ERRORS as e:
+            self.log("warning", f"round {rnd} step {step.name}: aggregation failed on the sites' updates "
+                                f"({type(e).__name__}: {_short(e, 200)}); model kept")
+            return None
 
     def _train(self, step, targets, weights, rnd, record, scores, scored, draw=None):
         """Send one group, screen, aggregate; None when nothing was aggregated."""
@@ -126,26 +213,39 @@ class RoundEngine:
         updates = self.send(step, targets, weights, rnd, extras)
         usable = []
         for u in updates:
-            if self.key_metric in u.metrics:  # the site's score of the model it received (``weights``)
-                scores[u.site], scored[u.site] = float(u.metrics[self.key_metric]), weights
-            record["sites"].setdefault(u.site, {}).update({"n": u.n, **u.metrics})
+            metrics, left = clean_metrics(u.metrics)
+            for why in left:
+                self.log("warning", f"round {rnd} {u.site}: {why}: left out of the record")
+            value = metrics.get(self.key_metric)
+            if value is not None and np.isfinite(value):  # the site's score of the model it received (``weights``)
+                scores[u.site], scored[u.site] = value, weights
+            elif value is not None:
+                self.log("warning", f"round {rnd} {u.site}: {self.key_metric}={value} is not finite: not scored")
+            valid_n = isinstance(u.n, (int, np.integer)) and not isinstance(u.n, bool)
+            record["sites"].setdefault(u.site, {}).update({"n": int(u.n) if valid_n else None, **metrics})
             if u.abstain and u.reason:
-                record["dropped"][u.site] = u.reason
-                self.log("warning", f"round {rnd} {u.site}: stopped its round: {u.reason}")
+                record["dropped"][u.site] = str(u.reason)
+                self.log("warning", f"round {rnd} {u.site}: stopped its round: {_short(u.reason, 300)}")
                 continue
             if u.abstain:
                 record["abstained"].append(u.site)
                 self.log("info", f"round {rnd} {u.site}: abstains from step {step.name}")
                 continue
-            why = screen_update(u, weights, self.server.extra_shapes(rnd, step))
+            why = screen_update(u, weights, self.server.extra_shapes(rnd, step), self.max_n.get(u.site))
+            if not why:
+                try:
+                    why = self.server.screen(u, weights, rnd, step)
+                except RULE_ERRORS as e:
+                    why = f"{type(e).__name__}: {_short(e, 200)}"
             if why:
                 record["dropped"][u.site] = why
                 self.log("warning", f"round {rnd} {u.site}: update dropped: {why}")
                 continue
             usable.append(u)
         for site in sorted(set(targets) - {u.site for u in updates}):
-            record["dropped"][site] = "no result (the site failed)"
-            self.log("warning", f"round {rnd} {site}: update dropped: no result (the site failed)")
+            record["dropped"][site] = "no result (the site failed or did not answer in time)"
+            self.log("warning", f"round {rnd} {site}: update dropped: no result (the site failed or did not answer "
+                                "in time)")
         if not usable:
             if updates and all(u.abstain for u in updates):
                 self.log("info", f"round {rnd} step {step.name}: every site abstained; model kept")
@@ -156,34 +256,63 @@ class RoundEngine:
             self.log("warning", f"round {rnd} step {step.name}: {len(usable)} usable update(s) < "
                                 f"min_sites={self.min_sites}; model kept")
             return None
-        new = self.aggregate_hook(usable, lambda: self.server.aggregate(usable, dict(weights), rnd))
+        new = self._rule(rnd, step, lambda: self.aggregate_hook(
+            usable, lambda: self.server.aggregate(usable, dict(weights), rnd)))
         for note in self.server.take_notes():
             record.setdefault("notes", []).append(note)
             self.log("warning", f"round {rnd} step {step.name}: {note}")
         return new
 
-    def _score(self, rnd, scores: dict):
-        """Mean key metric of the received model over the same sites every round, or None."""
+    def _score(self, rnd, scores: dict) -> tuple:
+        """(mean key metric of the received model over the scoring sites still reporting, those sites),
+        or (None, []). The scoring sites are those that scored the first scored round; one that is
+        lost (killed, dropped out, sent no finite score) leaves the mean to the others, logged."""
         if not scores:
-            return None
+            return None, []
         if self.scorers is None:
             self.scorers = sorted(scores)
+        present = [s for s in self.scorers if s in scores]
         missing = sorted(set(self.scorers) - set(scores))
+        if not present:
+            self.log("warning", f"round {rnd}: none of the scoring sites {self.scorers} reported a finite "
+                                f"{self.key_metric}; the round is not a best-model candidate")
+            return None, []
         if missing:
-            self.log("warning", f"round {rnd}: {missing} reported no {self.key_metric}; the round is not a "
-                                "best-model candidate")
-            return None
-        return float(np.mean([scores[s] for s in self.scorers]))
+            self.log("warning", f"round {rnd}: {missing} reported no finite {self.key_metric}; the round is scored "
+                                f"over {present}")
+        return float(np.mean([scores[s] for s in present])), present
 
-    def score_final(self, scores: dict):
-        """The final model's mean key metric over the scoring sites; True when it beats the best."""
-        score = self._score("final", scores)
-        is_best = score is not None and (self.best is None or score > self.best)
-        if is_best:
-            self.best = score
+    def _better(self, rnd, scores: dict, present: list) -> bool:
+        """Whether the model ``present`` scored beats the best so far, compared over the sites both have
+        scores from (the same sites on both sides: a mean over other sites is not comparable). True
+        makes it the best."""
+        if not present:
+            return False
+        common = [s for s in present if s in self.best_scores]
+        if self.best_scores and common:
+            if np.mean([scores[s] for s in common]) <= np.mean([self.best_scores[s] for s in common]):
+                return False
+        elif self.best_scores:
+            self.log("warning", f"round {rnd}: no site that scored the best model (round {self.best_round}) "
+                                f"scored this one; best-model tracking restarts over {present}")
+        self.best_scores = {s: scores[s] for s in present}
+        self.best = float(np.mean(list(self.best_scores.values())))
+        self.best_round = rnd
+        return True
+
+    def score_final(self, scores: dict, rounds: int | None = None):
+        """The final model's mean key metric over the scoring sites; True when it beats the best.
+        ``rounds``: how many rounds the final model has been through (its ``best_round``)."""
+        scores = {s: float(v) for s, v in scores.items() if _number(v) and np.isfinite(float(v))}
+        score, present = self._score("final", scores)
+        is_best = self._better(rounds if rounds is not None else "final", scores, present)
         return score, is_best
 
     def check_progress(self) -> None:
         if self.aggregated_rounds == 0:
             raise NoProgress("no round aggregated any update (every update was dropped or abstained, or "
                              "min_sites was never reached): the global model is the initial one")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))

@@ -420,6 +420,22 @@ def write_yaml(path, data) -> None:
     Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
 
 
+def check_output_dir(path, markers, what: str, force: bool = False, option: str = "--out") -> None:
+    """Refuse to write into ``path`` when the command could delete or overwrite what it did not write:
+    a non-empty folder that holds none of ``markers`` (files or folders an earlier output of the same
+    command always has). ``force`` allows it. Raises ValueError naming the folder and the option."""
+    path = Path(path)
+    if force or not path.exists():
+        return
+    if not path.is_dir():
+        raise ValueError(f"{path}: {option} is a file, not a folder")
+    if not any(path.iterdir()) or any((path / m).exists() for m in markers):
+        return
+    raise ValueError(f"{path}: {option} is a folder that is not empty and not an earlier {what} (it holds none of "
+                     f"{list(markers)}); nothing was written. Choose a new folder, or pass --force to write there "
+                     "(what the command writes replaces what is in it)")
+
+
 @contextlib.contextmanager
 def scenario_writer(root) -> Iterator[Path]:
     """Build a scenario in a sibling temporary folder, then swap it in.

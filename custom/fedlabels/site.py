@@ -284,7 +284,9 @@ def load_state(path, client, before: int, run: str | None = None) -> bool:
         if run is not None:
             return False
         raise FileNotFoundError(f"{path}: no saved site state to resume from")
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+    from .methods.base import load_state_file
+
+    saved = load_state_file(path)
     if run is not None and saved.get("run") != run:
         return False
     if saved["round"] >= before:

@@ -253,8 +253,11 @@ def model_card(meta: dict) -> str:
     lines += ["## Training", ""]
     for key, label in (("method", "Federated method"), ("rounds", "Rounds completed"), ("checkpoint_kind", "Model"),
                        ("model_after_rounds", "The model after round(s)"),
+                       ("best_scored_by", "Chosen as the best on the validation data of"),
                        ("site_state", "Batch norm of one site (FedBN), from"), ("scenario", "Training scenario")):
         value = prov.get(key, training.get(key))
+        if isinstance(value, list):
+            value = ", ".join(map(str, value))
         if value is not None:
             lines.append(f"- {label}: {value}")
     table = training.get("label_table") or {}

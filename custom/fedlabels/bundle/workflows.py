@@ -531,7 +531,10 @@ def run_provenance(run, ckpt) -> dict:
             "FL_global_model.pt": "last global model"}.get(name, name or "in-memory state dict")
     return {"method": cfg.method, "rounds": progress.get("next_round"), "checkpoint_kind": kind,
             "model_after_rounds": _model_after_rounds(name, rounds, progress),
-            "best_validation_score": progress.get("best"), "sites": sites, "run": str(run.resolve())}
+            "best_validation_score": progress.get("best"),
+            **({"best_scored_by": progress["best_scored_by"]} if name == "best_FL_global_model.pt"
+               and progress.get("best_scored_by") else {}),
+            "sites": sites, "run": str(run.resolve())}
 
 
 def _model_after_rounds(name: str, rounds: list, progress: dict):
@@ -544,6 +547,8 @@ def _model_after_rounds(name: str, rounds: list, progress: dict):
         return done
     if name != "best_FL_global_model.pt":
         return None
+    if progress.get("best_round") is not None:  # recorded by the controller (runs since it keeps it)
+        return progress["best_round"]
     for record in rounds:
         scores = [v for k, v in record.items() if k.startswith("mean_")]
         if scores and scores[0] == progress["best"]:

@@ -10,7 +10,9 @@ stops with that one message before round 0.
 
 Where the data is: ``--data DIR`` or the ``FEDLABELS_DATA`` environment
 variable (each real site sets its own); neither -> the embedded synthetic
-scenario of the configuration's ``data.family``, generated on first use.
+scenario of the configuration's ``data.family``, generated on first use, in
+the simulator only (``FEDLABELS_DATA=embedded`` asks for it anywhere): a
+provisioned site without data refuses to start (``data_root``).
 Where the site keeps its state between rounds (for resuming):
 ``FEDLABELS_STATE`` (default ``./fedlabels_state`` in the site's workspace).
 What the site sent is recorded after nvflare's result filters, as it leaves
@@ -27,6 +29,7 @@ import re
 import time
 from pathlib import Path
 
+import numpy as np
 import nvflare.client as flare
 import torch
 from nvflare.app_common.abstract.fl_model import FLModel
@@ -43,15 +46,22 @@ from .controller import FATAL, RUN, SUMMARY, TASKS, THREADS, VERSIONS, on_the_wi
 def build_parser():
     p = argparse.ArgumentParser(description="fedlabels FLARE client")
     p.add_argument("--config", default=FILE, help="the run configuration (looked up in the job's custom folder)")
-    p.add_argument("--data", default=None, help="scenario folder (default: $FEDLABELS_DATA, else the embedded one)")
+    p.add_argument("--data", default=None,
+                   help="scenario folder (default: $FEDLABELS_DATA; the embedded one in the simulator)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p
 
 
-def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict) -> tuple:
-    """Deliberately corrupt this site's update, to drill the server's fault handling. ``hang``: the
-    site keeps its trained update and never returns (a hospital that goes silent mid-round; the drill
-    ends when its process is killed)."""
+def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict, metrics: dict | None = None,
+                 timeout: int | None = None) -> tuple:
+    """Deliberately corrupt this site's update, to drill the server's fault handling; returns
+    (weights, meta, metrics). ``hang``: the site keeps its trained update and never returns (a
+    hospital that goes silent mid-round; the drill ends when its process is killed). ``stall``: it
+    answers only after the server's ``timeout`` has passed (a site far slower than the others, or
+    hung and back later): the server has left it out of the round by then. The hostile kinds
+    (``n_text``, ``n_huge``, ``dtype``, ``extras``, ``metric``) send what a broken or hostile site
+    could: the server drops each with its reason."""
+    metrics = dict(metrics or {})
     for fault in faults:
         where, kind, when = fault.split(":")
         if where != site or int(when) != rnd:
@@ -60,6 +70,11 @@ def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict) -> tupl
             print(f"fault drill: {site} hangs in round {rnd}", flush=True)
             while True:
                 time.sleep(3600)
+        if kind == "stall":
+            wait = (timeout or 60) + 3
+            print(f"fault drill: {site} stalls {wait}s in round {rnd}", flush=True)
+            time.sleep(wait)
+            continue
         key = next(k for k, v in weights.items() if v.dtype.kind == "f")
         if kind == "crash":
             raise RuntimeError(f"fault drill: {site} crashes in round {rnd}")
@@ -72,15 +87,43 @@ def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict) -> tupl
             weights["not_a_layer.weight"] = weights.pop(key)
         elif kind == "no_n":
             meta.pop(N)
+        elif kind == "n_text":
+            meta[N] = "many"
+        elif kind == "n_huge":
+            meta[N] = 10**9
+        elif kind == "dtype":
+            weights[key] = weights[key].astype(np.float64)
+        elif kind == "extras":
+            meta[EXTRAS] = ["not", "a", "mapping"]
+        elif kind == "metric":
+            metrics = {k: (float("inf") if k.startswith("val_") else v) for k, v in metrics.items()}
         else:
             raise ValueError(f"unknown fault kind {kind!r}")
-    return weights, meta
+    return weights, meta, metrics
 
 
-def data_root(args, cfg: RunConfig) -> Path:
+EMBEDDED = "embedded"  # FEDLABELS_DATA=embedded: the embedded synthetic scenario, asked for by name
+
+
+def provisioned(here: Path | None) -> bool:
+    """Whether this site runs from a provisioned startup kit (POC or production): the job's custom folder
+    is ``<kit>/<job id>/app_<site>/custom`` and the kit holds the project's root certificate. A simulated
+    site's workspace has a ``startup`` folder without one."""
+    return here is not None and (Path(here).resolve().parents[2] / "startup" / "rootCA.pem").is_file()
+
+
+def data_root(args, cfg: RunConfig, here: Path | None = None) -> Path:
+    """The site's scenario folder: ``--data``, else ``FEDLABELS_DATA``, else the embedded synthetic one --
+    in the simulator, or when ``FEDLABELS_DATA=embedded``. A provisioned site with neither refuses to
+    start: the synthetic scenario's sites are named site-1 ... site-N, and a hospital kit of that name
+    would otherwise train on it and report it as the hospital's."""
     root = args.data or os.environ.get("FEDLABELS_DATA")
-    if root:
+    if root and root != EMBEDDED:
         return Path(root)
+    if not root and provisioned(here):
+        raise ValueError("FEDLABELS_DATA is not set: a provisioned site trains on its own scenario folder; set "
+                         f"FEDLABELS_DATA to it before startup/start.sh (or to {EMBEDDED!r} for the embedded "
+                         "synthetic data)")
     from ..data.synthetic import default_scenario
 
     return default_scenario(cfg.data.get("family", "cxr"), seed=cfg.seed, **cfg.data.get("synth", {}))
@@ -90,7 +133,8 @@ def prepare(cfg: RunConfig, args, site: str, here: Path | None):
     """Everything a site needs, validated before the first round."""
     cfg.validate("client")
     method = methods.get(cfg.method)
-    setup = setup_site(bundle_path(cfg.bundle, here), data_root(args, cfg), site, batch_size=cfg.data.get("batch_size"),
+    setup = setup_site(bundle_path(cfg.bundle, here), data_root(args, cfg, here), site,
+                       batch_size=cfg.data.get("batch_size"),
                        seed=cfg.seed, device=args.device, network_overrides=cfg.network, unlabeled=method.uses_unlabeled,
                        strong_view=method.strong_view, oracle=bool(cfg.data.get("oracle")),
                        config=cfg.bundle_config())
@@ -203,8 +247,9 @@ def main(argv=None, here: Path | None = None):
             save_state(state_path, client, rnd, run=meta.get(RUN))
             out = {**update.meta, N: update.n, ABSTAIN: update.abstain, REASON: redact(update.reason), EXTRAS: update.extras,
                    "NUM_STEPS_CURRENT_ROUND": update.n}
-            weights, out = inject_fault(cfg.faults, site, rnd, update.weights, out)
-            flare.send(FLModel(params=on_the_wire(weights, cfg.transfer), metrics=update.metrics, meta=out))
+            weights, out, metrics = inject_fault(cfg.faults, site, rnd, update.weights, out, update.metrics,
+                                                 cfg.site_timeout)
+            flare.send(FLModel(params=on_the_wire(weights, cfg.transfer), metrics=metrics, meta=out))
             scores = {k: v for k, v in update.metrics.items() if k.startswith("val_") and "/" not in k}
             print(f"[{site}] round {rnd}: n={update.n}" + (f" stopped: {update.reason}" if update.reason else
                   " abstained" if update.abstain else

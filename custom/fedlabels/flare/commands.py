@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import TRANSFERS
+from ..config import TRANSFERS, positive_int
 from ..progress import RoundFollower
 from ..profile import load_scenario, write_json_atomic
 from .job import JOBS, REPO, JobSpec, export
@@ -186,6 +186,22 @@ def evaluate_global(run_dir, bundle, data, which="best") -> dict:
     return evaluate(net, loader, scenario.task, scenario.classes)
 
 
+def run_bundle(run_dir, bundle=None) -> Path:
+    """The bundle a run trained with: ``bundle`` when given, else the one its ``fedlabels.json`` names
+    (from the job's custom folder, where it travelled, else bundles/). Another bundle's network would
+    not load the run's weights, or would score a different network."""
+    from ..bundle import bundle_path
+    from ..config import FILE, RunConfig
+
+    if bundle:
+        return bundle_path(bundle)
+    custom = Path(run_dir) / "app_server" / "custom"
+    if not (custom / FILE).is_file():
+        raise FileNotFoundError(f"{run_dir}: not a fedlabels run's server folder (no app_server/custom/{FILE}); "
+                                "name the bundle with --bundle")
+    return bundle_path(RunConfig.load(custom / FILE).bundle, custom)
+
+
 def label_counts(data) -> dict:
     """How many sites annotate each class."""
     sc = load_scenario(data, check_files=False, with_test=False)
@@ -282,7 +298,8 @@ def cmd_report(args):
     for run in args.runs:
         name, _, path = run.partition("=")
         run_dir = Path(path or name)
-        results[name if path else run_dir.name] = evaluate_global(run_dir, bundle_path(args.bundle), data, args.which)
+        results[name if path else run_dir.name] = evaluate_global(run_dir, run_bundle(run_dir, args.bundle), data,
+                                                                   args.which)
     task = load_scenario(data, check_files=False, with_test=False).task
     counts = label_counts(data)
     if task == "multiclass":  # per class AUROC, precision, recall; overall accuracy
@@ -436,11 +453,11 @@ def add_parsers(sub):
     s = sub.add_parser("simulate", help="run one job in the FLARE simulator")
     s.add_argument("job", help=f"one of: {', '.join(sorted(JOBS))}")
     s.add_argument("--data", help="scenario folder (default: the embedded synthetic one)")
-    s.add_argument("-n", "--sites", type=int, default=4)
-    s.add_argument("--rounds", type=int)
+    s.add_argument("-n", "--sites", type=positive_int, default=4)
+    s.add_argument("--rounds", type=positive_int)
     s.add_argument("-w", "--workspace", default="runs/simulate")
     s.add_argument("--resume", help="a previous run's server folder (WORKSPACE/previous/server/simulate_job)")
-    s.add_argument("-t", "--threads", type=int,
+    s.add_argument("-t", "--threads", type=positive_int,
                    help="simulator worker processes (nvflare's -t; default: one per site if they fit in memory, "
                         "else one per core, the sites taking turns)")
     s.add_argument("--transfer", choices=TRANSFERS, default="float32",
@@ -464,7 +481,7 @@ def add_parsers(sub):
 
     s = sub.add_parser("report", help="test-set per-class table of finished runs' global models")
     s.add_argument("runs", nargs="+", help="NAME=RUN_DIR (a server run folder: WS/server/simulate_job)")
-    s.add_argument("--bundle", default="cxr_densenet121")
+    s.add_argument("--bundle", help="default: the bundle each run trained with (its fedlabels.json)")
     s.add_argument("--data")
     s.add_argument("--which", choices=["best", "last"], default="best")
     s.add_argument("--out")
@@ -473,6 +490,6 @@ def add_parsers(sub):
     s = sub.add_parser("demo", help="naive FedAvg, FedAvg-PL, Surgical Aggregation and FedPSL on the embedded data, "
                                      "then export the best on validation")
     s.add_argument("--out", default="demo")
-    s.add_argument("--rounds", type=int, default=DEMO_ROUNDS)
-    s.add_argument("--cases", type=int, help="cases per site of the embedded scenario")
+    s.add_argument("--rounds", type=positive_int, default=DEMO_ROUNDS)
+    s.add_argument("--cases", type=positive_int, help="cases per site of the embedded scenario")
     s.set_defaults(fn=cmd_demo)

@@ -36,8 +36,8 @@ from nvflare.app_common.app_event_type import AppEventType
 from nvflare.app_common.workflows.base_fedavg import BaseFedAvg
 
 from .. import methods
-from ..config import FILE, RunConfig
-from ..engine import NoProgress, RoundEngine
+from ..config import DEFAULT_SITE_TIMEOUT, FILE, RunConfig
+from ..engine import NoProgress, RoundEngine, clean_metrics
 from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, REASON, RESUME, Update
 from ..privacy import server_lines
 from ..profile import write_atomic, write_json_atomic
@@ -78,6 +78,7 @@ class FedLabelsController(BaseFedAvg):
         self._resume_sites = set()
         self._run_token = uuid.uuid4().hex
         self._transfer = "float32"
+        self._site_timeout = DEFAULT_SITE_TIMEOUT
 
     # ---------------------------------------------------------------- helpers
     def _path(self, name):
@@ -141,17 +142,29 @@ class FedLabelsController(BaseFedAvg):
         data = FLModel(params=on_the_wire(weights, self._transfer), params_type=ParamsType.FULL, current_round=rnd,
                        total_rounds=self.num_rounds,
                        meta={EXTRAS: extras, RESUME: resume, **self._task_meta()})
-        results = self.send_model_and_wait(task_name="train", targets=self._connected(targets), data=data)
-        if self.abort_signal.triggered or self._fatal(results):
+        results = self._wait("train", targets, data)
+        if self.abort_signal.triggered:
             raise _Stop()
-        updates = []
-        for r in results:
-            meta = dict(r.meta or {})
-            n = meta.get(N)
-            updates.append(Update(meta.get("client_name", "?"), r.params or {}, None if n is None else int(n), meta,
-                                  dict(r.metrics or {}), meta.pop(EXTRAS, None) or {}, bool(meta.get(ABSTAIN)),
-                                  str(meta.get(REASON) or "")))
-        return updates
+        return [to_update(r) for r in results]
+
+    def _wait(self, task, targets, data, timeout=None) -> list:
+        """Send a task to the connected ``targets`` and wait at most ``timeout`` (default
+        ``site_timeout``) seconds: a site that has not answered by then (hung, or far slower than the
+        others) is left out of the results, so the engine drops it from this step with a logged reason
+        and the round goes on; nvflare discards a late answer."""
+        targets = self._connected(targets)
+        if not targets:
+            return []
+        timeout = self._site_timeout if timeout is None else timeout
+        t0 = time.time()
+        results = self.send_model_and_wait(task_name=task, targets=targets, data=data,
+                                           min_responses=len(targets), timeout=timeout)
+        answered = {(r.meta or {}).get("client_name") for r in results if isinstance(r.meta, dict)}
+        late = sorted(set(targets) - answered)
+        if late and timeout and not self.abort_signal.triggered and time.time() - t0 >= timeout - 1:
+            self.warning(f"task {task}: {late} did not answer within {timeout}s (site_timeout): left out of "
+                         "this step")
+        return results
 
     def _aggregate(self, updates, fn):
         results = [FLModel(params=u.weights, params_type=ParamsType.FULL, meta={"client_name": u.site, N: u.n})
@@ -162,18 +175,24 @@ class FedLabelsController(BaseFedAvg):
     def _threads_per_site(self, n_sites: int):
         """In the simulator every site shares this machine: each gets its share of the cores
         (N processes each using every core oversubscribe them). None in a real deployment."""
+        if not self._simulated():
+            return None
+        return max(1, (os.cpu_count() or 1) // max(1, n_sites))
+
+    def _simulated(self) -> bool:
         try:
             from nvflare.private.fed.simulator.simulator_server import SimulatorServerEngine
         except ImportError:
-            return None
-        if not isinstance(self.fl_ctx.get_engine(), SimulatorServerEngine):
-            return None
-        return max(1, (os.cpu_count() or 1) // max(1, n_sites))
+            return False
+        return isinstance(self.fl_ctx.get_engine(), SimulatorServerEngine)
 
     def _handshake(self, clients) -> dict:
         """Every site's label summary, before round 0 (and, simulated, its share of the cores)."""
         meta = {PHASE: "summary", **self._task_meta()}
-        results = self.send_model_and_wait(task_name="train", targets=clients, data=FLModel(params={}, meta=meta))
+        # The first task also waits for each site's start-up (loading and validating its whole
+        # datalist), far longer than a round on a large dataset: at least the default timeout.
+        timeout = max(self._site_timeout, DEFAULT_SITE_TIMEOUT) if self._site_timeout else 0
+        results = self._wait("train", clients, FLModel(params={}, meta=meta), timeout)
         if self._fatal(results):
             return None
         summaries = {r.meta["client_name"]: r.meta[SUMMARY] for r in results if SUMMARY in (r.meta or {})}
@@ -209,6 +228,9 @@ class FedLabelsController(BaseFedAvg):
     def _run(self) -> None:
         cfg = self._config()
         self._transfer = cfg.transfer
+        self._site_timeout = cfg.site_timeout or (0 if self._simulated() else DEFAULT_SITE_TIMEOUT)
+        if self._site_timeout:
+            self.info(f"a site has {self._site_timeout}s to answer each task (site_timeout)")
         server = methods.get(cfg.method).make_server(run_seed=cfg.seed, **cfg.server)
         model = self.load_model()
         if model is None:
@@ -234,7 +256,7 @@ class FedLabelsController(BaseFedAvg):
         for line in notes:
             self.info(f"method {cfg.method}: {line}")
         engine = RoundEngine(server, self._send, key_metric=key, min_sites=cfg.min_sites, aggregate=self._aggregate,
-                             log=self._log)
+                             log=self._log, max_n=case_bounds(summaries, cfg))
         start = self.start_round
         if self.resume_from:
             model.params, start = self._resume(engine)
@@ -253,13 +275,14 @@ class FedLabelsController(BaseFedAvg):
             weights, record, best = engine.run_round(rnd, received, list(clients))
             if best is not None:
                 self._save_best(best)
-                self.info(f"round {rnd}: new best {key}={engine.best:.4f} (the model the scoring sites received)")
+                self.info(f"round {rnd}: new best {key}={engine.best:.4f} (the model the scoring sites "
+                          f"{record['scored_by']} received)")
             model = self.update_model(model, FLModel(params=weights, params_type=ParamsType.FULL, meta={}))
             self.save_model(model)
             self._log_round(record, key, time.time() - t0)
             self._save_state(engine, rnd + 1, cfg.method)
         final = self._cross_site_eval(model, key)
-        _, is_best = engine.score_final(final)
+        _, is_best = engine.score_final(final, rounds=self.num_rounds)
         if is_best or not os.path.isfile(os.path.join(self.get_run_dir(), "app_server", "best_FL_global_model.pt")):
             self._save_best(dict(model.params))
         try:
@@ -277,7 +300,11 @@ class FedLabelsController(BaseFedAvg):
         buf = io.BytesIO()
         torch.save(engine.state_dict(), buf)
         write_atomic(self._path(STATE), buf.getvalue())
-        write_json_atomic(self._path("progress.json"), {"next_round": next_round, "best": engine.best, "method": method})
+        # best_round: the round at whose start the scoring sites validated the best model (the number of
+        # rounds: the final model), best_scored_by: those sites (the model card's provenance)
+        write_json_atomic(self._path("progress.json"), {"next_round": next_round, "best": engine.best, "method": method,
+                                                        "best_round": engine.best_round,
+                                                        "best_scored_by": sorted(engine.best_scores)})
 
     def _resume(self, engine) -> tuple:
         """Last global weights, server-rule state and next round of a previous run; its best model carried over."""
@@ -305,10 +332,23 @@ class FedLabelsController(BaseFedAvg):
         """The final global model validated at every site (per-class, label-aware); {site: key metric}."""
         data = FLModel(params=on_the_wire(model.params, self._transfer), params_type=ParamsType.FULL,
                        current_round=self.num_rounds, meta=self._task_meta())
-        results = self.send_model_and_wait(task_name="validate", data=data)
-        per_site = {r.meta.get("client_name"): r.meta.get("evaluation", r.metrics) for r in results if r.metrics}
+        results = self._wait("validate", self.sample_clients(self.num_clients), data)
+        per_site, scores = {}, {}
+        for r in results:  # what a site sent: only numbers are kept (clean_metrics), never passed on as is
+            u = to_update(r)
+            metrics, left = clean_metrics(u.metrics)
+            for why in left:
+                self.warning(f"final evaluation {u.site}: {why}: left out")
+            if metrics:
+                evaluation = u.meta.get("evaluation")
+                try:
+                    json.dumps(evaluation)
+                except (TypeError, ValueError):
+                    evaluation = None
+                per_site[u.site] = evaluation if isinstance(evaluation, dict) else metrics
+            if key in metrics:
+                scores[u.site] = metrics[key]
         write_json_atomic(self._path("cross_site_eval.json"), per_site)
-        scores = {r.meta.get("client_name"): r.metrics[key] for r in results if r.metrics and key in r.metrics}
         for site, value in sorted(scores.items()):
             self.info(f"final global model at {site}: {key}={value:.4f}")
         return scores
@@ -331,6 +371,45 @@ class FedLabelsController(BaseFedAvg):
         if record[f"mean_{key}"] is not None:
             tb.add_scalar(f"global/mean_{key}", record[f"mean_{key}"], rnd)
         tb.flush()
+
+
+def _flag(value) -> bool:
+    """A site-sent yes/no: only a real boolean counts (bool() of an array raises, of a string is True)."""
+    return isinstance(value, (bool, np.bool_)) and bool(value)
+
+
+def to_update(result) -> Update:
+    """One site's reply (an ``FLModel``) as an ``Update``, taking nothing on trust: nothing here
+    converts or raises on what the site sent (``int(n)`` on a non-number would stop the job); the
+    engine screens it (``fedlabels.engine.screen_update``) and drops what is unusable with a reason.
+    A site that reports it cannot run (its start-up failed after a restart) is dropped from the step
+    with that reason, not allowed to stop the federation."""
+    meta = dict(result.meta) if isinstance(result.meta, dict) else {}
+    site = str(meta.get("client_name", "?"))
+    params = result.params if result.params is not None else {}
+    metrics = result.metrics if result.metrics is not None else {}
+    if meta.get(FATAL):
+        return Update(site, {}, None, meta, metrics, {}, True, f"the site cannot run: {str(meta[FATAL])[:300]}")
+    reason = meta.get(REASON)
+    return Update(site, params, meta.get(N), meta, metrics, meta.pop(EXTRAS, None) if EXTRAS in meta else {},
+                  _flag(meta.get(ABSTAIN)), str(reason)[:300] if reason else "")
+
+
+def case_bounds(summaries: dict, cfg: RunConfig) -> dict:
+    """Per site, the largest case count (``n``) an update may carry: the cases the site declared at
+    the handshake times its local epochs. Under the privacy option the declared cases are noised:
+    the bound allows 6 standard deviations of that noise (exceeded with probability ~1e-9)."""
+    epochs = cfg.client.get("epochs", 1)
+    epochs = max(1, int(epochs)) if isinstance(epochs, int) and not isinstance(epochs, bool) else 1
+    slack = 0
+    if cfg.privacy:
+        slack = int(np.ceil(6 * float(cfg.privacy.get("noise_multiplier", 0)) * float(cfg.privacy.get("clip", 0))))
+    out = {}
+    for site, summary in summaries.items():
+        cases = summary.get("cases") if isinstance(summary, dict) else None
+        if isinstance(cases, int) and not isinstance(cases, bool) and cases >= 0:
+            out[site] = epochs * (cases + slack)
+    return out
 
 
 def on_the_wire(params: dict, transfer: str) -> dict:

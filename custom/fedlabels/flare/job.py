@@ -28,7 +28,7 @@ from nvflare.job_config.api import FedJob
 from nvflare.job_config.defs import FilterType
 
 from .. import methods
-from ..config import FILE, TRANSFERS, RunConfig
+from ..config import DEFAULT_SITE_TIMEOUT, FILE, TRANSFERS, RunConfig
 from ..bundle import bundle_path, network
 from ..methods.base import local_keys
 from .controller import TASKS, FedLabelsController
@@ -64,6 +64,7 @@ class JobSpec:
     faults: list = field(default_factory=list)  # fault drills, "SITE:KIND:ROUND" (see client.py)
     transfer: str = "float32"  # "float16": weights quantized both ways by nvflare's filters
     privacy: dict = field(default_factory=dict)  # noised label summaries (fedlabels.privacy); empty = off
+    site_timeout: int | None = None  # seconds a site has to answer a task (None: fedlabels.config's default)
 
     def config(self) -> RunConfig:
         return RunConfig(method=self.method, bundle=Path(self.bundle).name, client=dict(self.client),
@@ -73,7 +74,7 @@ class JobSpec:
                                **({"image_size": self.image_size} if self.image_size else {}),
                                **({"protocol": self.protocol} if self.protocol else {})},
                          seed=self.seed, key_metric=self.key_metric, min_sites=self.min_sites, faults=list(self.faults),
-                         transfer=self.transfer, privacy=dict(self.privacy))
+                         transfer=self.transfer, privacy=dict(self.privacy), site_timeout=self.site_timeout)
 
 
 # One job per federated method on the embedded cxr scenario (DenseNet121, 64 px).
@@ -206,8 +207,12 @@ def add_half_precision_filters(job: FedJob) -> None:
 
 
 def export(spec: JobSpec, out_dir) -> Path:
-    """Write the job folder ``out_dir/<name>`` (replacing an older one atomically)."""
+    """Write the job folder ``out_dir/<name>`` (replacing an older one atomically; a folder of that name
+    that is not a job folder is refused, never deleted)."""
     out_dir = Path(out_dir)
+    from ..profile import check_output_dir
+
+    check_output_dir(out_dir / spec.name, ("meta.json",), "FLARE job folder", option="job folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         build_job(spec, tmp).export_job(tmp)
@@ -257,6 +262,11 @@ def run_cli(spec: JobSpec, argv=None) -> None:
     p.add_argument("--min-sites", type=int,
                    help="fewest sites a round needs; nvflare starts the job once this many are connected and "
                         "stops it when fewer stay (default: every site with --poc/--prod, else the job's own)")
+    p.add_argument("--site-timeout", type=int, default=spec.site_timeout, metavar="SECONDS",
+                   help="seconds a site has to answer a task (a round's training, the final evaluation); one that "
+                        "does not answer in time is left out of that step, logged, and the round goes on "
+                        f"(default {DEFAULT_SITE_TIMEOUT} in a deployment; none in the simulator, where sites "
+                        "may take turns)")
     p.add_argument("--resume-from", default=spec.resume_from,
                    help="a previous run's server folder (on the server's machine): continue from its last round")
     args = p.parse_args(argv)
@@ -265,8 +275,10 @@ def run_cli(spec: JobSpec, argv=None) -> None:
         args.min_sites = args.sites if (args.poc or args.prod) else spec.min_sites
     if not 1 <= args.min_sites <= args.sites:
         p.error(f"--min-sites {args.min_sites}: must be between 1 and the number of sites ({args.sites})")
+    if args.site_timeout is not None and args.site_timeout < 1:
+        p.error(f"--site-timeout {args.site_timeout}: must be >= 1 (seconds)")
     spec = dataclasses.replace(spec, sites=args.sites, rounds=args.rounds, transfer=args.transfer,
-                               min_sites=args.min_sites, resume_from=args.resume_from)
+                               min_sites=args.min_sites, resume_from=args.resume_from, site_timeout=args.site_timeout)
     if args.out:
         print(export(spec, args.out))
         return

@@ -164,6 +164,21 @@ def local_keys(net: torch.nn.Module, bn_policy: str) -> list:
     return batchnorm_keys(net) if bn_policy in ("fedbn", "fedbn+") else []
 
 
+def load_state_file(path):
+    """A site state file (``site.save_state``) loaded with ``weights_only=True``: such a file may come
+    from another machine, and unpickling it in full would run whatever code it names. Besides tensors
+    and plain containers, a client rule's state may hold NumPy arrays (FedMLP's tags): only NumPy's
+    array reconstruction and dtypes are allowed on top."""
+    try:
+        from numpy._core.multiarray import _reconstruct, scalar
+    except ImportError:  # NumPy 1.x
+        from numpy.core.multiarray import _reconstruct, scalar
+    dtypes = [type(np.dtype(t)) for t in ("bool", "int8", "int16", "int32", "int64", "uint8", "float16",
+                                           "float32", "float64")]
+    with torch.serialization.safe_globals([_reconstruct, scalar, np.ndarray, np.dtype, *dtypes]):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def personal_model(global_weights: dict, state_file) -> dict:
     """A site's deployable FedBN model: ``global_weights`` with the site's own batch norm from its state file.
 
@@ -177,7 +192,7 @@ def personal_model(global_weights: dict, state_file) -> dict:
 
     path = Path(state_file)
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=False)
+        saved = load_state_file(path)
         bn = saved["state"]["bn"]
     except (OSError, EOFError, KeyError, TypeError, RuntimeError, pickle.UnpicklingError) as e:
         raise ValueError(f"{path}: not a site state file (fedlabels_state/<site>.pt): {e!r}") from None
@@ -376,6 +391,14 @@ class ServerRule:
     def extra_shapes(self, round: int, step: Step) -> dict:
         """Shapes the sites' ``Update.extras`` must have (name -> shape); others are only checked finite."""
         return {}
+
+    def screen(self, update: Update, global_weights: dict, round: int, step: Step) -> str | None:
+        """Why this rule cannot use ``update`` (what it reads from the site's meta, metrics or extras
+        is missing or malformed), or None. Called on each update that passed the engine's own
+        screen (``fedlabels.engine.screen_update``), before ``aggregate``: a dropped update is
+        logged with this reason and the others are aggregated, where an error raised inside
+        ``aggregate`` would lose the whole step."""
+        return None
 
     def aggregate(self, updates: list, global_weights: dict, round: int) -> dict:
         raise NotImplementedError

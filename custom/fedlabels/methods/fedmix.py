@@ -221,6 +221,14 @@ class AdaptiveAggServer(ServerRule):
             raise ValueError(f"lam and beta must be >= 0, not {lam}, {beta}")
         self.notes = []
 
+    def screen(self, update, global_weights, round, step):
+        loss = (update.metrics or {}).get("train_loss") if isinstance(update.metrics, dict) else None
+        if isinstance(loss, bool) or not isinstance(loss, (int, float, np.integer, np.floating)) \
+                or not np.isfinite(loss) or loss < 0:
+            return (f"train_loss={str(loss)[:60]!r} is not a finite number >= 0: adaptive aggregation weighs "
+                    "a site by its mean training loss")
+        return None
+
     def aggregate(self, updates, global_weights, round):
         losses = []
         for u in updates:

@@ -391,6 +391,14 @@ class FedMLPServer(FedAvgServer):
             self.collect_prototypes(updates)
         return new
 
+    def screen(self, update, global_weights, round, step):
+        # prototypes are read class by class (collect_prototypes drops a bad one with a note); the
+        # container itself must be a mapping
+        protos = (update.extras or {}).get(PROTOTYPES)
+        if protos is not None and not isinstance(protos, dict):
+            return f"extra {PROTOTYPES!r} is a {type(protos).__name__}, not a mapping of class -> prototypes"
+        return None
+
     def collect_prototypes(self, updates):
         sent, degrees = {}, {}
         dim = next((p.shape[1] for p in self.prototypes.values()), None)

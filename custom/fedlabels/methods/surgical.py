@@ -61,7 +61,7 @@ import torch
 
 from ..losses import partial_bce
 from .aggregate import average_keys, classwise_head_mean, head_param_keys, meta_vector, resolve_head_name
-from .base import HEAD_NAME, LABELED_MASK, ClientRule, ServerRule, make_optimizer
+from .base import ANNOTATED, HEAD_NAME, LABELED_MASK, ClientRule, ServerRule, make_optimizer
 
 
 class HeadMetaMixin:
@@ -153,6 +153,29 @@ class SurgicalServer(ServerRule):
         c = np.asarray(global_weights[hkeys[0]]).shape[0]
         out.update(classwise_head_mean(updates, global_weights, head, self.head_weights(updates, c)))
         return {k: out[k] for k in global_weights}
+
+    def screen(self, update, global_weights, round, step):
+        """What the head rule reads from the site's meta: its head's name and per-class weights
+        (finite, >= 0, and the label summary the site declared at the handshake, not new numbers)."""
+        head = self.head_name or update.meta.get(HEAD_NAME)
+        if not isinstance(head, str) or not head_param_keys(head, global_weights):
+            return f"meta[{HEAD_NAME!r}]={str(update.meta.get(HEAD_NAME))[:60]!r} names no head of the global model"
+        if self.head_name and update.meta.get(HEAD_NAME) not in (None, self.head_name):
+            return f"meta[{HEAD_NAME!r}] disagrees with the server option head_name={self.head_name!r}"
+        c = np.asarray(global_weights[head_param_keys(head, global_weights)[0]]).shape[0]
+        try:
+            w = np.asarray(self.head_weights([update], c)[0], dtype=np.float64)
+        except (ValueError, TypeError) as e:
+            return str(e)
+        if not np.isfinite(w).all() or (w < 0).any():
+            return "per-class head weights from its meta are not finite and >= 0"
+        declared = (getattr(self, "summaries", None) or {}).get(update.site)
+        for key in (LABELED_MASK, ANNOTATED):
+            if declared and key in declared and key in update.meta and \
+                    np.asarray(update.meta[key], dtype=np.float64).tolist() != \
+                    np.asarray(declared[key], dtype=np.float64).tolist():
+                return f"meta[{key!r}] differs from the label summary the site declared at the handshake"
+        return None
 
     def feature_weights(self, updates) -> list:
         return [u.n if self.weighted else 1.0 for u in updates]
