@@ -153,14 +153,14 @@ def test_job_py_sets_the_site_timeout(tmp_path, capsys):
     from fedlabels.flare.job import run_cli
 
     spec = JOBS["fedavg_cxr"]
-    run_cli(spec, ["--export", str(tmp_path / "a"), "--site-timeout", "90"])
+    run_cli(spec, ["--out", str(tmp_path / "a"), "--site-timeout", "90"])
     assert json.loads((tmp_path / "a" / spec.name / "app" / "custom" / "fedlabels.json").read_text())[
         "site_timeout"] == 90
-    run_cli(spec, ["--export", str(tmp_path / "b")])
+    run_cli(spec, ["--out", str(tmp_path / "b")])
     assert "site_timeout" not in json.loads((tmp_path / "b" / spec.name / "app" / "custom" / "fedlabels.json")
                                             .read_text())
     with pytest.raises(SystemExit):
-        run_cli(spec, ["--export", str(tmp_path / "c"), "--site-timeout", "0"])
+        run_cli(spec, ["--out", str(tmp_path / "c"), "--site-timeout", "0"])
     assert "--site-timeout 0: must be >= 1" in capsys.readouterr().err
 
 
