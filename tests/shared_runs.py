@@ -38,6 +38,10 @@ from fedlabels.flare.job import JOBS, export
 
 # 2 sites x 2 rounds, batches of 8: what every simulator test trains unless it says otherwise
 TINY = {"rounds": 2, "sites": 2, "batch_size": 8}
+# A deployment's default (job.py --poc/--prod): every site is needed. The smoke runs of every shipped job
+# train with it, so a step that reaches fewer sites than the federation has (IsoFed's, RSCFed's) or a site
+# that abstains must still aggregate (fedlabels.engine counts min_sites against the sites a step can reach).
+PRODUCTION = {"min_sites": TINY["sites"]}
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 # the privacy option of the fedpsl_cxr smoke run (tests/test_privacy.py)
 PRIVACY = {"noise_multiplier": 1.0, "clip": 4.0, "delta": 1e-5}
@@ -61,7 +65,7 @@ def job(spec, **changes):
 def smoke(name):
     """A job's smoke run on the session's cxr scenario, as tests/test_flare.py (and tests/test_privacy.py,
     tests/test_dicom_outputs.py through test_flare's ``job_runs``) asks for it."""
-    return job(name, **SMOKE_CHANGES.get(name, {}))
+    return job(name, **{**PRODUCTION, **SMOKE_CHANGES.get(name, {})})
 
 
 @contextmanager

@@ -207,6 +207,33 @@ def test_min_sites():
         RoundEngine(FedAvgServer(), FakeSend({}), key_metric=KEY, min_sites=0)
 
 
+def test_min_sites_counts_the_sites_a_step_can_reach():
+    """A production min_sites (every site) with a plan of two steps (IsoFed's: 3 sites, then 1) and an
+    abstaining site: each step needs every target that did not abstain, less the sites the federation may
+    lose (4 - min_sites); with min_sites counted per step (the old rule) neither step could ever reach 4."""
+    from fedlabels.methods.base import Step
+
+    class TwoSteps(FedAvgServer):
+        def plan(self, round, sites):
+            return [Step(("A", "B", "C"), name="unlabeled"), Step(("D",), name="labeled")]
+
+    answers = {"A": upd("A", 1, [1, 1]), "B": upd("B", 3, [5, 5]), "C": abstain("C"), "D": upd("D", 2, [9, 9])}
+    eng, _ = engine(answers, server=TwoSteps(), min_sites=4)
+    out, record, _ = eng.run_round(0, GLOBAL, ["A", "B", "C", "D"])
+    assert [st["aggregated"] for st in record["steps"]] == [True, True]
+    np.testing.assert_allclose(out["w"], [9.0, 9.0])  # the labeled step starts from the global model
+    # a target that fails: with min_sites = 4 of 4 nothing may be missing, so that step keeps its model ...
+    crashed = {**answers, "B": None}
+    eng, _ = engine(crashed, server=TwoSteps(), min_sites=4)
+    _, record, _ = eng.run_round(0, GLOBAL, ["A", "B", "C", "D"])
+    assert [st["aggregated"] for st in record["steps"]] == [False, True]
+    assert any("1 usable update(s) of 2 expected < 2 (min_sites=4 of 4 sites" in m for _, m in eng.logs)
+    # ... and with min_sites = 3 one site may be missing
+    eng, _ = engine(crashed, server=TwoSteps(), min_sites=3)
+    _, record, _ = eng.run_round(0, GLOBAL, ["A", "B", "C", "D"])
+    assert [st["aggregated"] for st in record["steps"]] == [True, True]
+
+
 def test_a_non_finite_aggregate_keeps_the_model():
     class Broken(FedAvgServer):
         def aggregate(self, updates, global_weights, round):

@@ -20,7 +20,7 @@ from clinical_inputs import NIFTI_AFFINE, write_inputs
 from fedlabels.bundle.workflows import export_bundle
 from fedlabels.flare.commands import evaluate_global
 from fedlabels.flare.job import REPO
-from shared_runs import job
+from shared_runs import PRODUCTION, job
 
 pytestmark = pytest.mark.simulator
 
@@ -35,7 +35,7 @@ def lesion(lesion_data):
 
 
 def lesion_job(name):
-    return job(name, image_size=32, **CHANGES.get(name, {}))
+    return job(name, image_size=32, **{**PRODUCTION, **CHANGES.get(name, {})})
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ from fedlabels.data.synthetic import generate
 from fedlabels.flare.commands import LOST_SITE, SiteLostAtStartup, evaluate_global, run_watched, write_jobs
 from fedlabels import references
 from fedlabels.flare.job import JOBS, REPO
-from shared_runs import TINY, job, simulate_job, smoke
+from shared_runs import PRODUCTION, TINY, job, simulate_job, smoke
 
 # Jobs without a simulator run of their own, and the jobs whose runs execute their code:
 # fedpsl_tdma = FedPSL's TDMA server (fedpsl_cxr) with FedPSL's client without TADL (the plain
@@ -188,11 +188,12 @@ def test_committed_jobs_match_their_code(tmp_path):
 
 def other_task(name, changes):
     """fedavg_medmnist on the session's medmnist scenario; fedavg_lesion on its 32 px pixel + box scenario."""
-    return (("medmnist_data", None) if JOBS[name].family == "medmnist" else ("lesion_data", "bbox")), job(name, **changes)
+    return (("medmnist_data", None) if JOBS[name].family == "medmnist" else ("lesion_data", "bbox")), \
+        job(name, **{**PRODUCTION, **changes})
 
 
 def semi_supervised(name):
-    return job(name, server={**JOBS[name].server, **SEMI_SUPERVISED[name][0]})
+    return job(name, server={**JOBS[name].server, **SEMI_SUPERVISED[name][0]}, **PRODUCTION)
 
 
 HALF = (job("fedavg_cxr", transfer="float16"), {"env": {"OMP_NUM_THREADS": None}})

@@ -135,6 +135,7 @@ class RoundEngine:
             raise ValueError(f"min_sites must be >= 1, got {min_sites}")
         self.server, self.send, self.aggregate_hook = server, send, aggregate
         self.key_metric, self.min_sites = key_metric, min_sites
+        self.federation = min_sites  # the number of sites of the round being run (``run_round``)
         self.max_n = dict(max_n or {})
         self.log = log or (lambda level, msg: None)
         self.best, self.scorers, self.aggregated_rounds = None, None, 0
@@ -164,6 +165,7 @@ class RoundEngine:
         is the model the scoring sites validated when it is the best so far, else None.
         That model is the one they received: ``weights``, or a step's start
         within the round (IsoFed's labeled sites receive W_u)."""
+        self.federation = len(sites)  # what min_sites is counted against (``_train``)
         record = {"round": rnd, "sites": {}, "dropped": {}, "abstained": [], "steps": []}
         scores, scored = {}, {}
         start, previous = weights, weights
@@ -252,9 +254,16 @@ class RoundEngine:
             else:
                 self.log("warning", f"round {rnd} step {step.name}: no usable update; model kept")
             return None
-        if len(usable) < self.min_sites:
-            self.log("warning", f"round {rnd} step {step.name}: {len(usable)} usable update(s) < "
-                                f"min_sites={self.min_sites}; model kept")
+        # min_sites counts the federation's sites, but a step reaches only its targets, and a site that
+        # abstains has nothing for this step: it is not missing. So the step needs every target that did
+        # not abstain, less the sites the federation may lose (its size - min_sites).
+        may_lose = max(0, self.federation - self.min_sites)
+        expected = len(targets) - sum(1 for u in updates if u.abstain and not u.reason)
+        needed = max(1, expected - may_lose)
+        if len(usable) < needed:
+            self.log("warning", f"round {rnd} step {step.name}: {len(usable)} usable update(s) of {expected} "
+                                f"expected < {needed} (min_sites={self.min_sites} of {self.federation} sites: "
+                                f"at most {may_lose} may be missing); model kept")
             return None
         new = self._rule(rnd, step, lambda: self.aggregate_hook(
             usable, lambda: self.server.aggregate(usable, dict(weights), rnd)))
