@@ -15,7 +15,8 @@ Simulator runs are shared across modules (``sim_run``, tests/shared_runs.py): th
 folders they read are session fixtures here, so a run asked for by two modules happens once.
 A test that asks for ``sim_run`` must carry the ``simulator`` marker (checked at collection).
 The runs the selected tests declare (a module's ``SHARED_RUNS``: test name -> its runs) start
-in the background when the session starts.
+in the background when the session starts, and so does a module's ``BACKGROUND`` computation
+(the claims' calibration processes).
 """
 
 from __future__ import annotations
@@ -52,12 +53,21 @@ def _prefetch_shared_runs(request):
         plan = plans.get(getattr(item, "originalname", None))
         if plan is not None:
             planned += plan(item.callspec.params if hasattr(item, "callspec") else {})
+    # a module's long computation that can run beside the others (``BACKGROUND = (start, stop)``;
+    # tests/test_claims.py): started now, read by its tests, stopped at the end if still running
+    background = {id(m): m.BACKGROUND for m in (getattr(i, "module", None) for i in request.session.items)
+                  if hasattr(m, "BACKGROUND")}
+    tmp_path_factory = request.getfixturevalue("tmp_path_factory")
+    for start, _ in background.values():
+        start(tmp_path_factory)
     if planned:
         runs = request.getfixturevalue("sim_run")
         for data_fixture, part, spec, options in planned:
             data = request.getfixturevalue(data_fixture)
             runs.prefetch(spec, data if part is None else data[part], **options)
     yield
+    for _, stop in background.values():
+        stop()
 
 
 @pytest.fixture(scope="session")
