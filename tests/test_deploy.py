@@ -239,8 +239,12 @@ def test_a_hospital_with_malformed_data_stops_the_job_before_round_0(fed):
     assert "FINISHED:COMPLETED" not in status and "FINISHED" in status, status
     result = fed["tmp"] / "bad"
     log = next(result.rglob("workspace/log.txt")).read_text()
-    # the hospital's own message reaches the admin's download, naming the file and the field
-    assert "site-2: " in log and str(datalist) in log and "label" in log
+    # the hospital's message reaches the admin's download naming the field, not the hospital's path or
+    # file name; the hospital's own log has the full message
+    told = re.findall(r"site-2: <local file>[^\n]*", log)
+    assert told and "label" in told[0] and str(datalist) not in log and "datalist.json" not in log, told
+    own = "".join(p.read_text() for p in fed["kits"]["site-2"].rglob(f"{job_id}/log.txt"))
+    assert str(datalist) in own and "label" in own
     assert not list(result.rglob("metrics.jsonl"))  # no round ran
 
 
