@@ -223,26 +223,32 @@ def test_validate_one_hospitals_folder(tmp_path):
     assert cli.main(["validate", str(hospital)]) == 2  # the whole scenario: site-1 and test are not here
 
 
+def _small_run(tmp_path: Path) -> Path:
+    """A seeded ResNet-18 checkpoint (width 0.25) at ``tmp_path/m.pt`` and a run folder whose fedlabels.json
+    says how it was trained (32 px); returns the run folder."""
+    import torch
+
+    from fedlabels.config import RunConfig
+    from fedlabels.nets import ResNet18Classifier
+
+    torch.manual_seed(0)
+    torch.save(ResNet18Classifier(in_channels=1, out_channels=6, widen_factor=0.25).state_dict(), tmp_path / "m.pt")
+    run = tmp_path / "run"
+    RunConfig("fedavg", bundle="cxr_resnet18", network={"widen_factor": 0.25},
+              data={"image_size": 32}).save(run / "app_server" / "custom" / "fedlabels.json")
+    return run
+
+
 def test_export_on_a_hospitals_own_folder(tmp_path, capsys):
     """``export --data`` on a folder holding one site and no test split: thresholds from that site's
     validation cases, no test metrics (the model card says so). A folder that is no scenario, or a
     --run that is no run, is one line and writes nothing."""
-    import torch
-
-    from fedlabels.nets import ResNet18Classifier
-
     full = generate("cxr", tmp_path / "full", seed=0, cases=24, test_cases=4, size=32, sites=2)
     hospital = tmp_path / "hospital"
     hospital.mkdir()
     shutil.copy(full / "scenario.yaml", hospital)
     shutil.copytree(full / "site-2", hospital / "site-2")
-    torch.manual_seed(0)
-    torch.save(ResNet18Classifier(in_channels=1, out_channels=6, widen_factor=0.25).state_dict(), tmp_path / "m.pt")
-    run = tmp_path / "run"
-    from fedlabels.config import RunConfig
-
-    RunConfig("fedavg", bundle="cxr_resnet18", network={"widen_factor": 0.25},
-              data={"image_size": 32}).save(run / "app_server" / "custom" / "fedlabels.json")
+    run = _small_run(tmp_path)
     out = tmp_path / "bundle"
     assert cli.main(["export", "--bundle", "cxr_resnet18", "--ckpt", str(tmp_path / "m.pt"), "--run", str(run),
                      "--data", str(hospital), "--out", str(out)]) == 0
@@ -384,16 +390,7 @@ def test_a_command_never_writes_into_a_folder_it_did_not_write(command, tmp_path
 def test_export_refuses_a_folder_it_did_not_write_and_replaces_an_earlier_export(tmp_path, capsys):
     """The export of a real checkpoint into a folder of other files: refused, byte-identical (today it
     was replaced whole); with --force it is written; an earlier export is replaced without --force."""
-    import torch
-
-    from fedlabels.config import RunConfig
-    from fedlabels.nets import ResNet18Classifier
-
-    torch.manual_seed(0)
-    torch.save(ResNet18Classifier(in_channels=1, out_channels=6, widen_factor=0.25).state_dict(), tmp_path / "m.pt")
-    run = tmp_path / "run"
-    RunConfig("fedavg", bundle="cxr_resnet18", network={"widen_factor": 0.25},
-              data={"image_size": 32}).save(run / "app_server" / "custom" / "fedlabels.json")
+    run = _small_run(tmp_path)
     folder = tmp_path / "work"
     folder.mkdir()
     (folder / "notes.txt").write_text("mine\n")
