@@ -16,7 +16,8 @@ folders they read are session fixtures here, so a run asked for by two modules h
 A test that asks for ``sim_run`` must carry the ``simulator`` marker (checked at collection).
 The runs the selected tests declare (a module's ``SHARED_RUNS``: test name -> its runs) start
 in the background when the session starts, and so does a module's ``BACKGROUND`` computation
-(the claims' calibration processes).
+(the claims' calibration processes); the claims tests run last, when it has had the whole
+session to finish.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ def pytest_collection_modifyitems(config, items):
     if unmarked:
         raise pytest.UsageError("tests using a shared simulator run without the simulator marker: "
                                 + ", ".join(unmarked))
+    # The claims last: their calibration processes start with the session (``BACKGROUND``) and have
+    # until then to finish beside the other tests.
+    items[:] = [i for i in items if i.get_closest_marker("claims") is None] + \
+               [i for i in items if i.get_closest_marker("claims") is not None]
 
 
 @pytest.fixture(scope="session")
