@@ -282,17 +282,25 @@ def test_a_restarted_server_resumes_the_job_from_its_last_global_model(fed):
         proc.kill()
         proc.communicate()
     run_dir = progress.parent
-    next_round = json.loads(progress.read_text())["next_round"]
+    next_round, run = (json.loads(progress.read_text())[k] for k in ("next_round", "run"))
     fed["server"] = Participant(server_kit, env=SERVER_ENV).start()
     wait_for_sites(fed["admin"], SITES)
     assert 1 <= next_round < 3, next_round  # the first job was stopped part way
+    # site-2 lost its saved state (a replaced machine, or a site new to the run): it joins from the global model
+    lost = list(fed["kits"]["site-2"].rglob(f"fedlabels_state/{run}/site-2"))
+    assert lost, "site-2 saved no state under its kit"
+    for folder in lost:
+        shutil.rmtree(folder)
     job_id, status, result = submit(fed, "--rounds", "3", "--resume-from", str(run_dir))
     assert status == "FINISHED:COMPLETED"
     rounds = [json.loads(line)["round"] for line in (result / "workspace" / "metrics.jsonl").read_text().splitlines()]
     assert rounds == list(range(next_round, 3)) and rounds  # rounds ran after the restart
     assert f"resuming from {run_dir}: round {next_round}" in (result / "workspace" / "log.txt").read_text()
-    for site in SITES:
-        assert f"[{site}] resumed its state" in site_log(fed, site, job_id)
+    assert f"[site-1] resumed its state of round {next_round - 1}" in site_log(fed, "site-1", job_id)
+    assert (f"[site-2] no saved state of this run before round {next_round}" in site_log(fed, "site-2", job_id)
+            and "joins from the global model" in site_log(fed, "site-2", job_id))
+    last = json.loads((result / "workspace" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert sorted(last["sites"]) == list(SITES)  # both trained the last round
 
 
 def test_the_same_job_runs_in_poc_mode(tmp_path):

@@ -527,7 +527,7 @@ def test_resume_from_saved_state_is_exact(cxr, tmp_path, method, client_options)
             weights, record, _ = eng.run_round(rnd, weights, SITES)
             records.append(record)
             for s, c in clients.items():
-                save_state(tmp_path / f"{s}.pt", c, rnd)
+                save_state(tmp_path / s, c, rnd)
         torch.save({"engine": eng.state_dict(), "weights": weights}, tmp_path / "server.pt")
         del st, clients, eng, weights
 
@@ -537,7 +537,7 @@ def test_resume_from_saved_state_is_exact(cxr, tmp_path, method, client_options)
         eng.load_state_dict(saved["engine"])
         weights = saved["weights"]
         for s, c in clients.items():
-            load_state(tmp_path / f"{s}.pt", c, before=STOP)
+            assert load_state(tmp_path / s, c, before=STOP) == STOP - 1
         if method == "surgical":
             assert all(c.warmed_up for c in clients.values())  # no second warm-up after the resume
         for rnd in range(STOP, ROUNDS):

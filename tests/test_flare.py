@@ -393,25 +393,54 @@ def test_bad_site_profiles_stop_the_job_before_training(tmp_path, data):
 
 
 @pytest.mark.simulator
-def test_resume_is_exact(tmp_path, data, job_runs):
-    """fedbn (site state: its own batch norm and optimizer) 2 rounds + resume + 2 rounds = 4 rounds of the
-    in-process engine (one torch thread on both sides; FLARE = in-process at 2 rounds is tested above)."""
+def test_a_server_killed_at_any_point_resumes_exactly(tmp_path, data, job_runs):
+    """FedBN (site state: its own batch norm and Adam moments), 4 rounds, the server killed at each point
+    of a round and the job resumed from the folder the killed server left: between rounds (the shared
+    2-round run), once the sites have answered round 2 (they hold their round-2 state; the server wrote
+    nothing of the round), and in round 3 after its metrics and best model but before its checkpoint.
+    The last leg's model equals 4 rounds of the in-process engine (one torch thread on both sides;
+    FLARE = in-process at 2 rounds is tested above), and no model file is ever ahead of the checkpoint."""
+    from fedlabels.checkpoint import read_checkpoint
+
     first, _ = job_runs("fedbn_cxr")
-    saved = tmp_path / "saved"
-    shutil.copytree(first, saved)
+    shutil.copytree(first, tmp_path / "first")
     # the sites' saved state lies beside the first run's workspace (fedlabels simulate's default); resume
-    # from a copy, so the shared first run's state stays as it left it for the other tests
-    shutil.copytree(first.parents[2] / "ws.state", tmp_path / "saved.state")
-    spec = job("fedbn_cxr", rounds=4, resume_from=str(saved))
-    resumed, log = simulate_job(spec, data, tmp_path, "2",
-                                env={"OMP_NUM_THREADS": "1", "FEDLABELS_STATE": str(tmp_path / "saved.state")})
-    assert [r["round"] for r in rounds(resumed)] == [2, 3]
-    text = log.read_text()
-    assert "resuming from" in text and "site-1] resumed its state" in text
-    assert json.loads((resumed / "progress.json").read_text())["next_round"] == 4
-    assert (resumed / "app_server" / "best_FL_global_model.pt").is_file()
+    # with a copy, so the shared first run's state stays as it left it for the other tests
+    shutil.copytree(first.parents[2] / "ws.state", tmp_path / "state")
+    env = {"OMP_NUM_THREADS": "1", "FEDLABELS_STATE": str(tmp_path / "state")}
+    run = json.loads((first / "progress.json").read_text())["run"]
+
+    def leg(tag, resume_from, drill=None):
+        spec = job("fedbn_cxr", rounds=4, resume_from=str(resume_from), faults=[drill] if drill else [])
+        if drill is None:
+            folder, log = simulate_job(spec, data, tmp_path, tag, env=env)
+            return folder, log.read_text()
+        with pytest.raises(RuntimeError, match=r"stopped at round \d of 4"):  # the killed server's job
+            simulate_job(spec, data, tmp_path, tag, env=env)
+        return tmp_path / f"ws{tag}" / "server" / "simulate_job", (tmp_path / f"{spec.name}{tag}.log").read_text()
+
+    b, text = leg("b", tmp_path / "first", "server:mid_round:2")
+    assert "fault drill: the server dies at mid_round of round 2" in text
+    assert not (b / "metrics.jsonl").exists() and read_checkpoint(b, "fedbn", 4)["next_round"] == 2
+    assert sorted(p.name for p in (tmp_path / "state" / run / "site-1").iterdir()) == ["round-00001.pt",
+                                                                                    "round-00002.pt"]
+    c, text = leg("c", b, "server:before_checkpoint:3")
+    for site in ("site-1", "site-2"):  # they had trained round 2 for the killed server: the state before it
+        assert f"[{site}] resumed its state of round 1" in text
+    assert "fault drill: the server dies at before_checkpoint of round 3" in text
+    assert [r["round"] for r in rounds(c)] == [2, 3]  # round 3 logged, never checkpointed
+    saved = read_checkpoint(c, "fedbn", 4)
+    assert saved["next_round"] == 3 and json.loads((c / "progress.json").read_text())["next_round"] == 3
+    on_disk = weights(c)  # FL_global_model.pt: the checkpoint's model, not round 3's
+    assert all(np.array_equal(on_disk[k], saved["weights"][k]) for k in on_disk)
+
+    d, text = leg("d", c)
+    assert "[site-1] resumed its state of round 2" in text and f"(run {run})" in text
+    assert [r["round"] for r in rounds(d)] == [3]
+    assert json.loads((d / "progress.json").read_text())["next_round"] == 4
+    assert (d / "app_server" / "best_FL_global_model.pt").is_file()
     straight = in_process(smoke("fedbn_cxr"), data, rounds=4, sites=["site-1", "site-2"])["last"]
-    a = weights(resumed)
+    a = weights(d)
     assert set(a) == set(straight)
     for k in a:
         np.testing.assert_allclose(a[k], straight[k], rtol=0, atol=1e-6, err_msg=k)
@@ -575,7 +604,7 @@ def test_fedbn_batch_norm_never_leaves_a_site_and_its_personal_model_carries_it(
     from fedlabels.bundle.workflows import export_bundle
     from fedlabels.methods.base import personal_model
     from fedlabels.nets import batchnorm_keys, rebuild
-    from fedlabels.site import evaluate, setup_site, test_loader
+    from fedlabels.site import evaluate, latest_state, setup_site, test_loader
 
     spec = JOBS["fedbn_cxr"]
     bundle = REPO / "bundles" / spec.bundle
@@ -601,12 +630,13 @@ def test_fedbn_batch_norm_never_leaves_a_site_and_its_personal_model_carries_it(
     # Each site's personal model: the global weights with the batch norm it trained on for both
     # rounds (its own statistics continued, never reset to the global ones).
     images = next(iter(test_loader(bundle, data)))["image"]
+    states = run_dir.parents[2] / "ws.state" / json.loads((run_dir / "progress.json").read_text())["run"]
     with torch.no_grad():
         net.load_state_dict({k: torch.as_tensor(v) for k, v in w.items()})
         global_out = net.eval()(images)
         for site in ("site-1", "site-2"):
             st = setup_site(bundle, data, site, batch_size=TINY["batch_size"], seed=spec.seed)
-            own = personal_model(w, run_dir.parents[2] / "ws.state" / f"{site}.pt")
+            own = personal_model(w, latest_state(states / site))
             assert set(own) == set(w)
             assert all(np.array_equal(own[k].numpy(), w[k]) for k in set(w) - bn)
             counts = {int(own[k]) for k in bn if k.endswith("num_batches_tracked")}
@@ -627,12 +657,12 @@ def test_fedbn_batch_norm_never_leaves_a_site_and_its_personal_model_carries_it(
     # process, cli.main; tests/test_cli.py runs the console script in subprocesses.)
     from fedlabels import cli
 
-    state_file = run_dir.parents[2] / "ws.state" / "site-1.pt"
+    state_file = states / "site-1"  # the site's state folder: its last saved round
     mine = tmp_path / "site-1"
     assert cli.main(["export", "--bundle", spec.bundle, "--run", str(run_dir), "--data", str(data),
                      "--site-state", str(state_file), "--out", str(mine)]) == 0
     exported = torch.load(mine / "models" / "model.pt", weights_only=True)
-    own = personal_model(w, state_file)
+    own = personal_model(w, latest_state(state_file))
     assert all(torch.equal(exported[k], own[k]) for k in own)
     assert any(not np.array_equal(exported[k].numpy(), w[k]) for k in bn)
     meta = json.loads((mine / "configs" / "metadata.json").read_text())
@@ -742,7 +772,7 @@ SHARED_RUNS = {
         lambda p: [(*other_task(p["name"], p["changes"])[0], other_task(p["name"], p["changes"])[1], {})],
     "test_simulated_sites_share_the_cores_without_fedlabels_simulate": lambda p: [("cxr_data", None, *HALF)],
     "test_flare_and_in_process_engine_give_the_same_weights": lambda p: _cxr(p["name"]),
-    "test_resume_is_exact": lambda p: _cxr("fedbn_cxr"),
+    "test_a_server_killed_at_any_point_resumes_exactly": lambda p: _cxr("fedbn_cxr"),
     "test_sites_taking_turns_in_fewer_processes_continue_their_state":
         lambda p: _cxr("fedbn_cxr") + [("cxr_data", None, job("fedbn_cxr"), {"threads": 1})],
     "test_bad_updates_and_crashes_are_dropped_and_rounds_complete":

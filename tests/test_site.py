@@ -84,10 +84,12 @@ def test_a_state_file_is_loaded_as_data_never_as_code(tmp_path):
     marker = tmp_path / "ran"
     torch.save({"round": 0, "run": None, "state": {"bn": {"bn.weight": torch.ones(2)}, "x": _RunsCode(marker)}},
                tmp_path / "evil.pt")
+    (tmp_path / "site").mkdir()
+    torch.save({"round": 0, "state": {"x": _RunsCode(marker)}}, tmp_path / "site" / "round-00000.pt")
     with pytest.raises(ValueError, match="not a site state file"):
         personal_model({"bn.weight": np.zeros(2, dtype=np.float32)}, tmp_path / "evil.pt")
     with pytest.raises(pickle.UnpicklingError):
-        load_state(tmp_path / "evil.pt", None, before=1)
+        load_state(tmp_path / "site", None, before=1)
     assert not marker.exists()
     good = {"round": 3, "run": "r", "state": {"bn": {"bn.weight": torch.ones(2)}, "tags": np.zeros((2, 3), np.int8),
                                              "lr": np.float64(0.5)}}
@@ -120,3 +122,59 @@ def test_a_provisioned_site_without_data_refuses_to_start(tmp_path, monkeypatch)
     monkeypatch.delenv("FEDLABELS_DATA")
     (kit / "startup" / "rootCA.pem").unlink()  # the simulator's workspace: the embedded data
     assert (data_root(args, cfg, here) / "scenario.yaml").is_file()
+
+
+class _Counter:
+    """A client rule whose whole state is one number: which saved round was restored is visible."""
+
+    def __init__(self):
+        self.value = -1
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def test_a_site_keeps_its_last_two_rounds_per_run_and_resumes_before_the_resumed_round(tmp_path):
+    from fedlabels.site import latest_state, load_state, save_state, state_folder, state_site
+
+    a, b = state_folder(tmp_path, "fedavg-run1", "site-1"), state_folder(tmp_path, "fedavg-run2", "site-1")
+    c = _Counter()
+    for rnd in (0, 1, 2):
+        c.value = 10 + rnd
+        save_state(a, c, rnd)
+    assert sorted(p.name for p in a.iterdir()) == ["round-00001.pt", "round-00002.pt"]
+    c.value = 99
+    save_state(b, c, 0)  # another job at the same hospital: its own folder
+    r = _Counter()
+    # resumed at round 2 by a server that died before aggregating it: the state the site had entering round 2
+    assert load_state(a, r, before=2) == 1 and r.value == 11
+    # a new process inside round 2 (a second draw of that round): the state after its first draw
+    assert load_state(a, r, through=2) == 2 and r.value == 12
+    assert load_state(a, r, before=1) is None and r.value == 12  # nothing kept that early: untouched
+    assert load_state(state_folder(tmp_path, "fedavg-run3", "site-1"), r, before=5) is None  # a site new to the run
+    assert load_state(b, r, through=0) == 0 and r.value == 99
+    assert latest_state(a).name == "round-00002.pt" and state_site(a) == "site-1"
+    assert state_site(latest_state(a)) == "site-1"
+    with pytest.raises(FileNotFoundError, match="no saved site state"):
+        latest_state(state_folder(tmp_path, "fedavg-run1", "site-9").parent)
+
+
+def test_the_server_checkpoint_refuses_another_method_and_a_folder_without_one(tmp_path):
+    import numpy as np
+
+    from fedlabels.checkpoint import read_checkpoint, write_checkpoint
+
+    with pytest.raises(ValueError, match="no resume checkpoint"):
+        read_checkpoint(tmp_path, "fedavg", 3)
+    write_checkpoint(tmp_path, next_round=2, method="fedavg", run="fedavg-abc", weights={"w": np.ones(2)},
+                     engine={"best": 0.5}, best_weights=None)
+    saved = read_checkpoint(tmp_path, "fedavg", 3)
+    assert saved["next_round"] == 2 and saved["run"] == "fedavg-abc" and saved["engine"] == {"best": 0.5}
+    with pytest.raises(ValueError, match=r"fedlabels_server_state\.pt: field 'method': the run trained 'fedavg', "
+                                         r"this job runs 'fedprox'"):
+        read_checkpoint(tmp_path, "fedprox", 3)
+    with pytest.raises(ValueError, match="field 'next_round'"):
+        read_checkpoint(tmp_path, "fedavg", 1)

@@ -213,8 +213,9 @@ def build_parser(flare: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--run", help="the federated run's server folder: method, rounds and model kind in the metadata")
     s.add_argument("--data", help="scenario folder: decision thresholds from its validation cases, test metrics with "
                                    "confidence intervals, the sites' label table and the model card")
-    s.add_argument("--site-state", help="a FedBN site's fedlabels_state/<site>.pt: export the global model with that "
-                                         "site's own batch norm (the global model's was never trained)")
+    s.add_argument("--site-state", help="a FedBN site's state folder fedlabels_state/<run>/<site> (or one round-NNNNN.pt in "
+                                         "it): export the global model with that site's own batch norm (the "
+                                         "global model's was never trained)")
     s.add_argument("--twin", choices=["first", "mean"], default="first",
                    help="a FedMix model (two UNets): ship F1 (default) or both, predicting their mean probability")
     s.set_defaults(fn=cmd_export)

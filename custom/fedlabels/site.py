@@ -263,34 +263,72 @@ def train_task(client, setup: SiteSetup, weights: dict, rnd: int, extras: dict) 
     return update
 
 
-def save_state(path, client, rnd: int, run: str | None = None) -> None:
-    """The client rule's state after round ``rnd`` of run ``run``, written atomically (exact resume)."""
+STATE_KEEP = 2  # a resumed round needs the state before it; a site may have trained that round already
+
+
+def state_folder(root, run: str, site: str) -> Path:
+    """Where ``site`` keeps its client-rule state for run ``run`` (a resumed run keeps its token):
+    two jobs at one hospital never share it."""
+    return Path(root) / run / site
+
+
+def _saved_rounds(folder: Path) -> dict:
+    rounds = {}
+    for f in folder.glob("round-*.pt") if folder.is_dir() else []:
+        try:
+            rounds[int(f.stem.split("-", 1)[1])] = f
+        except ValueError:
+            continue
+    return rounds
+
+
+def save_state(folder, client, rnd: int) -> Path:
+    """The client rule's state after round ``rnd``, as ``folder/round-NNNNN.pt`` written atomically (exact
+    resume); older files than the last ``STATE_KEEP`` are removed."""
     import io
 
+    folder = Path(folder)
     buf = io.BytesIO()
-    torch.save({"round": rnd, "run": run, "state": client.state_dict()}, buf)
-    write_atomic(Path(path), buf.getvalue())
+    torch.save({"round": rnd, "state": client.state_dict()}, buf)
+    path = folder / f"round-{rnd:05d}.pt"
+    write_atomic(path, buf.getvalue())
+    for old in sorted(_saved_rounds(folder))[:-STATE_KEEP]:
+        _saved_rounds(folder)[old].unlink(missing_ok=True)
+    return path
 
 
-def load_state(path, client, before: int, run: str | None = None) -> bool:
-    """Restore the state a site saved in the last round it trained, which must precede round ``before``.
-
-    Without ``run`` (resuming a finished or stopped run) the state must exist. With
-    ``run`` (a new process continuing the same run) it is loaded only if it was saved
-    by that run; returns whether it was loaded.
-    """
+def latest_state(path) -> Path:
+    """A site state file from a file or a site's state folder (its last saved round)."""
     path = Path(path)
-    if not path.is_file():
-        if run is not None:
-            return False
-        raise FileNotFoundError(f"{path}: no saved site state to resume from")
+    if path.is_dir():
+        rounds = _saved_rounds(path)
+        if not rounds:
+            raise FileNotFoundError(f"{path}: no saved site state (round-NNNNN.pt) in this folder")
+        return rounds[max(rounds)]
+    return path
+
+
+def state_site(path) -> str:
+    """The site a state file or folder belongs to (``<state>/<run>/<site>/round-NNNNN.pt``)."""
+    path = Path(path)
+    return path.name if path.is_dir() else path.parent.name if path.stem.startswith("round-") else path.stem
+
+
+def load_state(folder, client, *, before: int | None = None, through: int | None = None) -> int | None:
+    """Restore the newest state the site saved in ``folder`` of a round before ``before`` (resuming a run
+    at that round: the site may have trained it already, for a server that died before aggregating it)
+    or up to ``through`` (a new process continuing the run inside a round: a second draw of that round
+    continues the first). Returns the round restored, or None when there is none (the site then starts
+    from the global model alone)."""
     from .methods.base import load_state_file
 
+    limit = before - 1 if before is not None else through
+    rounds = [r for r in _saved_rounds(Path(folder)) if limit is None or r <= limit]
+    if not rounds:
+        return None
+    path = _saved_rounds(Path(folder))[max(rounds)]
     saved = load_state_file(path)
-    if run is not None and saved.get("run") != run:
-        return False
-    if saved["round"] >= before:
-        raise ValueError(f"{path}: field 'round': the saved site state is of round {saved['round']}, "
-                         f"not before the resumed round {before}")
+    if saved.get("round") != max(rounds):
+        raise ValueError(f"{path}: field 'round': {saved.get('round')!r}, not the round its name says")
     client.load_state_dict(saved["state"])
-    return True
+    return max(rounds)

@@ -312,7 +312,8 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
       the model card ``docs/README.md`` written from them;
     * with ``run`` (a federated run's server folder): the method, the rounds
       completed and which model (best or last) in the provenance;
-    * with ``site_state`` (a FedBN site's ``fedlabels_state/<site>.pt``): the
+    * with ``site_state`` (a FedBN site's state folder ``fedlabels_state/<run>/<site>``, its last
+      saved round, or one ``round-NNNNN.pt`` in it): the
       site's own batch norm replaces the global model's, which no site trained
       (``methods.base.personal_model``);
     * a FedMix model (``nets.TwinUNet``: F1 and F2 in one state dict) ships F1 as the bundle's
@@ -336,12 +337,15 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
     if trained is not None and site_state is None and _bn_policy(trained) == "fedbn":
         raise ValueError(f"{run}: a FedBN run's global model carries the initial batch norm, which no site "
                          "trained with; export a hospital's own model with its state file "
-                         "(--site-state fedlabels_state/<site>.pt)")
+                         "(--site-state fedlabels_state/<run>/<site>)")
     state = load_state_dict(ckpt)
+    site_name = None
     if site_state is not None:
         from ..methods.base import personal_model
+        from ..site import latest_state, state_site
 
-        state = personal_model(state, site_state)
+        site_name = state_site(site_state)
+        state = personal_model(state, latest_state(site_state))
         provenance = {**(provenance or {}), "site_state": str(site_state)}
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -410,7 +414,7 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
             from . import card
 
             # a hospital's own model (--site-state) is judged on that hospital's validation cases
-            sites = [Path(str(site_state)).stem] if site_state is not None else provenance.get("sites")
+            sites = [site_name] if site_state is not None else provenance.get("sites")
             _add_evidence(meta, card.evidence(net, bundle, data, names, sites=sites, summaries=_summaries(run),
                                                image_size=infer["image_size"]))
             meta_path.write_text(json.dumps(meta, indent=4) + "\n")

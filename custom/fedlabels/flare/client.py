@@ -14,7 +14,9 @@ scenario of the configuration's ``data.family``, generated on first use, in
 the simulator only (``FEDLABELS_DATA=embedded`` asks for it anywhere): a
 provisioned site without data refuses to start (``data_root``).
 Where the site keeps its state between rounds (for resuming):
-``FEDLABELS_STATE`` (default ``./fedlabels_state`` in the site's workspace).
+``FEDLABELS_STATE/<run>/<site>/round-NNNNN.pt`` (default ``./fedlabels_state`` in the
+site's workspace; ``<run>`` names the run, kept by a resumed run, so two jobs at one
+hospital never share it; ``fedlabels.site.state_folder``).
 What the site sent is recorded after nvflare's result filters, as it leaves
 (``fedlabels.flare.sent``): FedBN's batch norm, for one, is removed by a
 filter from the whole state dict this script hands to nvflare.
@@ -39,7 +41,7 @@ from ..bundle import bundle_path
 from ..config import FILE, RunConfig
 from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, REASON, RESUME, to_numpy
 from ..profile import ScenarioError
-from ..site import flat_metrics, load_state, save_state, setup_site, train_task, validate_task
+from ..site import flat_metrics, load_state, save_state, setup_site, state_folder, train_task, validate_task
 from .controller import FATAL, RUN, SUMMARY, TASKS, THREADS, VERSIONS, on_the_wire, versions
 
 
@@ -207,7 +209,7 @@ def main(argv=None, here: Path | None = None):
     args = build_parser().parse_args(argv)
     flare.init()
     site = flare.get_site_name()
-    state_path = Path(os.environ.get("FEDLABELS_STATE", "fedlabels_state")) / f"{site}.pt"
+    state_root = Path(os.environ.get("FEDLABELS_STATE", "fedlabels_state"))
     cfg, fatal = None, None
     first_task = True
     try:
@@ -230,21 +232,28 @@ def main(argv=None, here: Path | None = None):
         if first_task:
             size_threads(meta)
             print(f"[{site}] torch threads: {torch.get_num_threads()}", flush=True)
-            # nvflare's simulator with fewer threads than sites starts a process per task:
-            # continue what this site saved after its last round of this run
-            rnd = model.current_round
-            if (meta.get(RUN) and rnd is not None and site not in (meta.get(RESUME) or [])
-                    and load_state(state_path, client, before=rnd, run=meta[RUN])):
-                print(f"[{site}] continued its state of this run from {state_path}", flush=True)
+        rnd = model.current_round
+        folder = state_folder(state_root, meta[RUN], site) if meta.get(RUN) else None
+        if folder is not None and rnd is not None and meta.get(PHASE) != "summary":
+            if site in (meta.get(RESUME) or []):
+                # a resumed run: the state before the resumed round (the site may have trained that
+                # round already, for a server that died before aggregating it)
+                got = load_state(folder, client, before=rnd)
+                print(f"[{site}] resumed its state of round {got} from {folder}" if got is not None else
+                      f"[{site}] no saved state of this run before round {rnd} in {folder}: joins from the "
+                      "global model", flush=True)
+            elif first_task:
+                # nvflare's simulator with fewer threads than sites starts a process per task: continue
+                # what this site saved last in this run (a second draw in a round continues the first)
+                got = load_state(folder, client, through=rnd)
+                if got is not None:
+                    print(f"[{site}] continued its state of this run (round {got}) from {folder}", flush=True)
         if flare.is_train() and meta.get(PHASE) == "summary":
             flare.send(FLModel(params={}, meta={SUMMARY: setup.summary(), VERSIONS: versions()}))
         elif flare.is_train():
-            rnd = model.current_round
-            if site in (meta.get(RESUME) or []):
-                load_state(state_path, client, before=rnd)
-                print(f"[{site}] resumed its state from {state_path}", flush=True)
             update = train_task(client, setup, model.params, rnd, meta.get(EXTRAS) or {})
-            save_state(state_path, client, rnd, run=meta.get(RUN))
+            if folder is not None:
+                save_state(folder, client, rnd)
             out = {**update.meta, N: update.n, ABSTAIN: update.abstain, REASON: redact(update.reason), EXTRAS: update.extras,
                    "NUM_STEPS_CURRENT_ROUND": update.n}
             weights, out, metrics = inject_fault(cfg.faults, site, rnd, update.weights, out, update.metrics,

@@ -14,15 +14,14 @@ data.
 Outputs in the server's run folder: ``FL_global_model.pt`` (last, written by
 the persistor), ``best_FL_global_model.pt``, ``metrics.jsonl`` (one line per
 round: per-site losses and per-class validation metrics, dropped and
-abstaining sites), ``progress.json`` and ``fedlabels_server_state.pt`` (for
-resuming), ``cross_site_eval.json``, ``label_summaries.json`` (each site's
+abstaining sites), ``fedlabels_server_state.pt`` (the resume checkpoint,
+``fedlabels.checkpoint``) and ``progress.json``, ``cross_site_eval.json``, ``label_summaries.json`` (each site's
 label summary as the server received it: the exported bundle's label table)
 and TensorBoard events under ``tb/``.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import time
@@ -36,6 +35,7 @@ from nvflare.app_common.app_event_type import AppEventType
 from nvflare.app_common.workflows.base_fedavg import BaseFedAvg
 
 from .. import methods
+from ..checkpoint import read_checkpoint, write_checkpoint
 from ..config import DEFAULT_SITE_TIMEOUT, FILE, RunConfig
 from ..engine import NoProgress, RoundEngine, clean_metrics
 from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, REASON, RESUME, Update
@@ -49,8 +49,12 @@ TASKS = ["train", "validate", "submit_model"]
 SUMMARY = "label_summary"
 SUMMARIES_FILE = "label_summaries.json"  # in the run folder: what each site reported, for the model card
 THREADS = "threads"  # torch threads a simulated site should use
-RUN = "run_token"  # names this run: a site's saved state is continued only within its own run
-STATE = "fedlabels_server_state.pt"
+RUN = "run_token"  # names this run (a resumed run keeps it): the folder of each site's saved state
+SERVER = "server"  # the fault drills' name for the server: "server:POINT:ROUND" (DRILL_POINTS)
+# Where the server-kill drill ends the server in a round: once the sites have answered a step and nothing
+# of the round is written; after the round's metrics and best model but before its checkpoint; after the
+# checkpoint but before FL_global_model.pt; after everything of the round.
+DRILL_POINTS = ("mid_round", "before_checkpoint", "before_model", "between_rounds")
 VERSIONS = "versions"  # the packages a site runs; the server refuses a mismatch before round 0
 
 
@@ -76,7 +80,9 @@ class FedLabelsController(BaseFedAvg):
         super().__init__(*args, **kwargs)
         self.resume_from = resume_from
         self._resume_sites = set()
-        self._run_token = uuid.uuid4().hex
+        self._run_token = ""
+        self._best_weights = None
+        self._drills = []
         self._transfer = "float32"
         self._site_timeout = DEFAULT_SITE_TIMEOUT
 
@@ -98,6 +104,7 @@ class FedLabelsController(BaseFedAvg):
         return self._writer
 
     def _save_best(self, params: dict):
+        self._best_weights = dict(params)
         self.fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, make_model_learnable(weights=params, meta_props={}),
                              private=True, sticky=True)
         self.event(AppEventType.GLOBAL_BEST_MODEL_AVAILABLE)
@@ -145,6 +152,7 @@ class FedLabelsController(BaseFedAvg):
         results = self._wait("train", targets, data)
         if self.abort_signal.triggered:
             raise _Stop()
+        self._drill("mid_round", rnd)
         return [to_update(r) for r in results]
 
     def _wait(self, task, targets, data, timeout=None) -> list:
@@ -219,6 +227,13 @@ class FedLabelsController(BaseFedAvg):
         return [t for t in targets if t not in gone]
 
     # ---------------------------------------------------------------- flow
+    def _drill(self, point, rnd) -> None:
+        """The server-kill drill: the server stops here, writing nothing more (what a killed server
+        leaves on disk); the job is then resumed from its folder."""
+        if f"{point}:{rnd}" in self._drills:
+            self.warning(f"fault drill: the server dies at {point} of round {rnd}")
+            raise _Stop()
+
     def run(self) -> None:
         try:
             self._run()
@@ -227,6 +242,8 @@ class FedLabelsController(BaseFedAvg):
 
     def _run(self) -> None:
         cfg = self._config()
+        self._drills = [f.split(":", 1)[1] for f in cfg.faults if f.split(":")[0] == SERVER]
+        self._run_token = f"{cfg.method}-{uuid.uuid4().hex[:12]}"
         self._transfer = cfg.transfer
         self._site_timeout = cfg.site_timeout or (0 if self._simulated() else DEFAULT_SITE_TIMEOUT)
         if self._site_timeout:
@@ -259,11 +276,13 @@ class FedLabelsController(BaseFedAvg):
                              log=self._log, max_n=case_bounds(summaries, cfg))
         start = self.start_round
         if self.resume_from:
-            model.params, start = self._resume(engine)
+            model.params, start = self._resume(engine, cfg.method)
             self._resume_sites = set(summaries)
+            self._save_state(engine, start, cfg.method, model.params)  # this folder can be resumed in turn
         else:
             model.params = self._seeded_init(model.params, cfg.seed)
-        self.info(f"method {cfg.method} client {cfg.client} server {cfg.server}; rounds {start}..{self.num_rounds - 1}")
+        self.info(f"method {cfg.method} client {cfg.client} server {cfg.server}; rounds {start}..{self.num_rounds - 1}; "
+                  f"the sites keep their state under <FEDLABELS_STATE>/{self._run_token}/<site>")
         for rnd in range(start, self.num_rounds):
             if self.abort_signal.triggered:
                 return
@@ -278,9 +297,12 @@ class FedLabelsController(BaseFedAvg):
                 self.info(f"round {rnd}: new best {key}={engine.best:.4f} (the model the scoring sites "
                           f"{record['scored_by']} received)")
             model = self.update_model(model, FLModel(params=weights, params_type=ParamsType.FULL, meta={}))
-            self.save_model(model)
             self._log_round(record, key, time.time() - t0)
-            self._save_state(engine, rnd + 1, cfg.method)
+            self._drill("before_checkpoint", rnd)
+            self._save_state(engine, rnd + 1, cfg.method, model.params)
+            self._drill("before_model", rnd)
+            self.save_model(model)  # after the checkpoint: FL_global_model.pt is never ahead of it
+            self._drill("between_rounds", rnd)
         final = self._cross_site_eval(model, key)
         _, is_best = engine.score_final(final, rounds=self.num_rounds)
         if is_best or not os.path.isfile(os.path.join(self.get_run_dir(), "app_server", "best_FL_global_model.pt")):
@@ -291,42 +313,34 @@ class FedLabelsController(BaseFedAvg):
             write_json_atomic(self._path("progress.json"), {"next_round": self.num_rounds, "error": str(e)})
             self.panic(str(e))
             return
-        self._save_state(engine, self.num_rounds, cfg.method)
+        self._save_state(engine, self.num_rounds, cfg.method, model.params)
         self.info(f"finished {cfg.method}: best mean {key} = {engine.best}")
 
-    def _save_state(self, engine, next_round, method):
-        import torch
-
-        buf = io.BytesIO()
-        torch.save(engine.state_dict(), buf)
-        write_atomic(self._path(STATE), buf.getvalue())
+    def _save_state(self, engine, next_round, method, weights):
+        """The resume checkpoint (``fedlabels.checkpoint``), then ``progress.json`` from the same values."""
+        write_checkpoint(self.get_run_dir(), next_round=next_round, method=method, run=self._run_token,
+                         weights=weights, engine=engine.state_dict(), best_weights=self._best_weights)
         # best_round: the round at whose start the scoring sites validated the best model (the number of
         # rounds: the final model), best_scored_by: those sites (the model card's provenance)
         write_json_atomic(self._path("progress.json"), {"next_round": next_round, "best": engine.best, "method": method,
-                                                        "best_round": engine.best_round,
+                                                        "run": self._run_token, "best_round": engine.best_round,
                                                         "best_scored_by": sorted(engine.best_scores)})
 
-    def _resume(self, engine) -> tuple:
-        """Last global weights, server-rule state and next round of a previous run; its best model carried over."""
-        import torch
-
-        folder = self.resume_from
-        paths = {n: os.path.join(folder, n) for n in ("app_server/FL_global_model.pt", "progress.json", STATE)}
-        missing = [n for n, p in paths.items() if not os.path.isfile(p)]
-        if missing:
-            self.panic(f"resume_from={folder}: not a finished round's server folder (missing {missing})")
+    def _resume(self, engine, method) -> tuple:
+        """Global weights, server-rule and engine state, next round and run token of a previous run's
+        checkpoint; its best model carried over. A checkpoint of another method is refused."""
+        try:
+            saved = read_checkpoint(self.resume_from, method, self.num_rounds)
+        except ValueError as e:
+            self.panic(f"resume_from: {e}")
             raise _Stop()
-
-        def load(name):
-            state = torch.load(os.path.join(folder, "app_server", name), map_location="cpu", weights_only=False)["model"]
-            return {k: np.asarray(v.cpu().numpy() if hasattr(v, "cpu") else v) for k, v in state.items()}
-
-        engine.load_state_dict(torch.load(paths[STATE], map_location="cpu", weights_only=False))
-        info = json.load(open(paths["progress.json"]))
-        if os.path.isfile(os.path.join(folder, "app_server", "best_FL_global_model.pt")):
-            self._save_best(load("best_FL_global_model.pt"))
-        self.info(f"resuming from {folder}: round {info['next_round']}, best {engine.key_metric}={engine.best}")
-        return load("FL_global_model.pt"), info["next_round"]
+        engine.load_state_dict(saved["engine"])
+        self._run_token = saved["run"]
+        if saved["best_weights"] is not None:
+            self._save_best(saved["best_weights"])
+        self.info(f"resuming from {self.resume_from}: round {saved['next_round']}, best {engine.key_metric}="
+                  f"{engine.best} (run {self._run_token})")
+        return saved["weights"], saved["next_round"]
 
     def _cross_site_eval(self, model, key) -> dict:
         """The final global model validated at every site (per-class, label-aware); {site: key metric}."""

@@ -58,7 +58,7 @@ SITE = "site"
 # Keys of what the server sends besides weights.
 EXTRAS = "extras"              # the server rule's extras for this step
 PHASE = "phase"                # "train" (default) or "summary" (the set-up handshake)
-RESUME = "resume"              # True on the first round of a resumed run: sites load their saved state
+RESUME = "resume"              # the sites on their first task of a resumed run: each loads its state before that round
 REASON = "reason"              # why a site stopped its round (sent with ABSTAIN; the engine drops it, logged)
 DRAW = "draw"                  # extras: the group's index within a step with parallel groups (RSCFed)
 
@@ -183,8 +183,8 @@ def personal_model(global_weights: dict, state_file) -> dict:
     """A site's deployable FedBN model: ``global_weights`` with the site's own batch norm from its state file.
 
     ``global_weights``: a global model's state dict (arrays or tensors; FedBN's carries the initial batch
-    norm, which no site trains with). ``state_file``: the site's ``fedlabels_state/<site>.pt``
-    (``fedlabels.site.save_state``), saved after the last round the site trained. Returns a new state
+    norm, which no site trains with). ``state_file``: one of the site's state files,
+    ``fedlabels_state/<run>/<site>/round-NNNNN.pt`` (``fedlabels.site.save_state``). Returns a new state
     dict of tensors; raises ValueError naming the file when it holds no batch norm or batch norm that
     does not fit the global model."""
     import pickle
@@ -195,7 +195,7 @@ def personal_model(global_weights: dict, state_file) -> dict:
         saved = load_state_file(path)
         bn = saved["state"]["bn"]
     except (OSError, EOFError, KeyError, TypeError, RuntimeError, pickle.UnpicklingError) as e:
-        raise ValueError(f"{path}: not a site state file (fedlabels_state/<site>.pt): {e!r}") from None
+        raise ValueError(f"{path}: not a site state file (fedlabels_state/<run>/<site>/round-NNNNN.pt): {e!r}") from None
     if not bn:
         raise ValueError(f"{path}: field 'state.bn': no batch-norm keys; the site kept none (it ran with "
                          "bn_policy 'fedavg', or the network has no batch norm): use the global model as it is")

@@ -1,0 +1,57 @@
+"""The server's resume checkpoint: one file that holds everything a resumed run needs.
+
+``fedlabels_server_state.pt`` in the server's run folder is written atomically
+after each round: the global model, the best model so far, the server rule's
+and the round engine's state, the next round, the method and the run token
+(the name under which the sites keep their own state, ``site.state_folder``).
+Resuming reads this file only, never ``FL_global_model.pt`` or
+``progress.json``, so a server killed between writing any two files resumes
+from one consistent round. The controller writes ``progress.json`` (what a
+person or a script reads) and then the persistor's ``FL_global_model.pt``
+after it, so neither is ever ahead of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .profile import write_atomic
+
+STATE = "fedlabels_server_state.pt"
+FORMAT = 2
+
+
+def write_checkpoint(folder, *, next_round: int, method: str, run: str, weights: dict, engine: dict,
+                     best_weights: dict | None) -> Path:
+    path = Path(folder) / STATE
+    buf = io.BytesIO()
+    torch.save({"format": FORMAT, "next_round": int(next_round), "method": method, "run": run,
+                "weights": {k: np.asarray(v) for k, v in weights.items()},
+                "best_weights": None if best_weights is None else {k: np.asarray(v) for k, v in best_weights.items()},
+                "engine": engine}, buf)
+    write_atomic(path, buf.getvalue())
+    return path
+
+
+def read_checkpoint(folder, method: str, rounds: int) -> dict:
+    """The checkpoint of the run in ``folder`` (a server run folder), checked against the job that resumes
+    it: the same method, a round still to train. Raises ValueError naming the file and field."""
+    path = Path(folder) / STATE
+    if not path.is_file():
+        raise ValueError(f"{path}: no resume checkpoint: {folder} is not the server folder of a run that "
+                         "finished a round (WS/server/<job>)")
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+        raise ValueError(f"{path}: field 'format': {saved.get('format') if isinstance(saved, dict) else None!r}, "
+                         f"not {FORMAT}: a checkpoint of another fedlabels version; rerun the job")
+    if saved["method"] != method:
+        raise ValueError(f"{path}: field 'method': the run trained {saved['method']!r}, this job runs {method!r}: "
+                         "a run resumes only with its own method")
+    if saved["next_round"] > rounds:
+        raise ValueError(f"{path}: field 'next_round': {saved['next_round']} rounds are done, more than this "
+                         f"job's {rounds}")
+    return saved
