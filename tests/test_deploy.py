@@ -71,7 +71,7 @@ def fed(tmp_path_factory):
     fl_port, admin_port = free_ports(2)
     out = subprocess.run([FEDLABELS, "provision", "--project", "loop", "--server", "localhost",
                           "--sites", ",".join(SITES), "--admin", ADMIN, "--out", str(tmp / "prov"),
-                          "--fl-port", str(fl_port), "--admin-port", str(admin_port)],
+                          "--fl-port", str(fl_port), "--admin-port", str(admin_port), "--no-byoc", "site-2"],
                          capture_output=True, text=True, check=True).stdout
     kits = {line.split()[0]: Path(line.split()[1]) for line in out.splitlines() if len(line.split()) == 2}
     # sites send a heartbeat every 10 s (nvflare's default): 25 s tolerates one late beat
@@ -226,9 +226,11 @@ def test_a_hospital_with_malformed_data_stops_the_job_before_round_0(fed):
     good = datalist.read_text()
     datalist.write_text(good.replace('"label"', '"labels"', 1))
     kit = ["--startup-kit", str(fed["admin"])]
+    folder = subprocess.run([sys.executable, str(JOB), "--out", str(fed["tmp"] / "jobs"), "--config-only"],
+                            capture_output=True, text=True, check=True).stdout.strip()
     try:
-        # the committed job folder through nvflare's own admin CLI (docs/deployment.md, "Submit")
-        out = nvflare("job", "submit", "-j", str(JOB.parent), *kit)
+        # the production job folder through nvflare's own admin CLI (docs/deployment.md, "Submit")
+        out = nvflare("job", "submit", "-j", folder, *kit)
         job_id = re.search(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", out).group(0)
         assert job_id in nvflare("job", "list", *kit)
         nvflare("job", "wait", job_id, "--timeout", "180", *kit, check=False)
@@ -246,6 +248,29 @@ def test_a_hospital_with_malformed_data_stops_the_job_before_round_0(fed):
     own = "".join(p.read_text() for p in fed["kits"]["site-2"].rglob(f"{job_id}/log.txt"))
     assert str(datalist) in own and "label" in own
     assert not list(result.rglob("metrics.jsonl"))  # no round ran
+
+
+def test_a_hospital_that_refuses_custom_code_refuses_a_job_that_carries_it(fed):
+    """site-2 was provisioned with --no-byoc: the committed job folder (the simulator form, with its client
+    script and bundle) is refused there whoever submits it, the project admin included; every other test
+    submits the production form (configuration only) and runs at both."""
+    kit = ["--startup-kit", str(fed["admin"])]
+    out = nvflare("job", "submit", "-j", str(JOB.parent), *kit)
+    job_id = re.search(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", out).group(0)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:  # nvflare's job record shows each site's deployment
+            status = nvflare("job", "meta", job_id, *kit)
+            if re.search(r"site-2\W+NVFLARE_ERROR", status):
+                break
+            time.sleep(2)
+    finally:
+        nvflare("job", "abort", job_id, *kit, check=False)
+        nvflare("job", "wait", job_id, "--timeout", "60", *kit, check=False)
+    assert re.search(r"BYOC\W+yes", status), status
+    assert re.search(r"site-2\W+NVFLARE_ERROR: BYOC not permitted", status), status
+    assert re.search(r"site-1\W+OK", status), status  # site-1 takes custom code from the project admin
+    assert not list(fed["kits"]["site-2"].glob(f"{job_id}/log.txt"))  # nothing of it ran at site-2
 
 
 def test_a_killed_hospital_is_left_out_and_the_job_finishes(fed):

@@ -786,3 +786,31 @@ SHARED_RUNS = {
         lambda p: [("medmnist_data", None, semi_supervised(p["name"]), {})],
     "test_fedmlp_sends_prototypes_from_the_last_warmup_round_and_tags_in_stage_2": lambda p: _cxr("fedmlp_cxr"),
 }
+
+
+def test_production_jobs_carry_configuration_only_and_name_only_allowed_classes(tmp_path):
+    """``job.py --prod`` submits the production form (``build_job(installed=True)``): no custom folder
+    (nvflare counts any as custom code, which a --no-byoc hospital refuses), no MONAI expression, and only
+    classes that a provisioned kit's class allow list admits (nvflare's default list + ``provision.ALLOWED``)."""
+    import dataclasses
+
+    from nvflare.app_common.default_component_policy import DEFAULT_CLASS_ALLOW_LIST
+
+    from fedlabels.flare.job import export
+    from fedlabels.flare.provision import ALLOWED
+
+    allowed = [*DEFAULT_CLASS_ALLOW_LIST, *ALLOWED]
+    specs = [*JOBS.values(), dataclasses.replace(JOBS["fedbn_cxr"], name="fedbn_half", transfer="float16")]
+    for spec in specs:
+        folder = export(spec, tmp_path, installed=True)
+        files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+        assert files == ["app/config/config_fed_client.json", "app/config/config_fed_server.json", "meta.json"], files
+        text = "".join((folder / f).read_text() for f in files)
+        paths = re.findall(r'"path": "([^"]+)"', text)
+        assert "fedlabels.flare.executor.SiteExecutor" in paths and "fedlabels.flare.controller.FedLabelsController" in paths
+        refused = [p for p in paths if not any(p == a or p.startswith(a.rstrip(".") + ".") for a in allowed)]
+        assert not refused, (spec.name, refused)
+        configs = "".join((folder / f).read_text() for f in files if f.startswith("app/"))
+        assert not re.search(r'"[$@%]', configs), spec.name  # no MONAI expression or reference travels with the job
+        client = json.loads((folder / "app/config/config_fed_client.json").read_text())
+        assert client["executors"][0]["executor"]["args"]["config"] == spec.config().to_json()

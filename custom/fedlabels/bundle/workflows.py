@@ -516,10 +516,12 @@ def run_config(run):
     """The run configuration (``fedlabels.config.RunConfig``) of a federated run's server folder."""
     from ..config import FILE, RunConfig
 
-    cfg_path = Path(run) / "app_server" / "custom" / FILE
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{run}: not a fedlabels run's server folder (no app_server/custom/{FILE})")
-    return RunConfig.load(cfg_path)
+    # the controller writes it into the run folder (a production job carries it in its configuration
+    # only); runs written before that have the job's copy in app_server/custom
+    for cfg_path in (Path(run) / FILE, Path(run) / "app_server" / "custom" / FILE):
+        if cfg_path.is_file():
+            return RunConfig.load(cfg_path)
+    raise FileNotFoundError(f"{run}: not a fedlabels run's server folder (no {FILE})")
 
 
 def run_provenance(run, ckpt) -> dict:

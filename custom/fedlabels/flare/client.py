@@ -54,8 +54,13 @@ def build_parser():
     return p
 
 
+def say(message: str) -> None:
+    """A line for the site's log: the client script's print goes there (nvflare redirects it)."""
+    print(message, flush=True)
+
+
 def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict, metrics: dict | None = None,
-                 timeout: int | None = None) -> tuple:
+                 timeout: int | None = None, say=say) -> tuple:
     """Deliberately corrupt this site's update, to drill the server's fault handling; returns
     (weights, meta, metrics). ``hang``: the site keeps its trained update and never returns (a
     hospital that goes silent mid-round; the drill ends when its process is killed). ``stall``: it
@@ -69,12 +74,12 @@ def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict, metrics
         if where != site or int(when) != rnd:
             continue
         if kind == "hang":
-            print(f"fault drill: {site} hangs in round {rnd}", flush=True)
+            say(f"fault drill: {site} hangs in round {rnd}")
             while True:
                 time.sleep(3600)
         if kind == "stall":
             wait = (timeout or 60) + 3
-            print(f"fault drill: {site} stalls {wait}s in round {rnd}", flush=True)
+            say(f"fault drill: {site} stalls {wait}s in round {rnd}")
             time.sleep(wait)
             continue
         key = next(k for k, v in weights.items() if v.dtype.kind == "f")
@@ -131,7 +136,7 @@ def data_root(args, cfg: RunConfig, here: Path | None = None) -> Path:
     return default_scenario(cfg.data.get("family", "cxr"), seed=cfg.seed, **cfg.data.get("synth", {}))
 
 
-def prepare(cfg: RunConfig, args, site: str, here: Path | None):
+def prepare(cfg: RunConfig, args, site: str, here: Path | None, say=say):
     """Everything a site needs, validated before the first round."""
     cfg.validate("client")
     method = methods.get(cfg.method)
@@ -146,9 +151,8 @@ def prepare(cfg: RunConfig, args, site: str, here: Path | None):
         ledger = privacy.ledger_path()
         report, reused = setup.release_summary(cfg.privacy, ledger, note=cfg.method)
         total, releases = privacy.spent(ledger, site, report["delta"])
-        print(f"[{site}] {privacy.describe(report)}" + (f"; reused from {ledger}" if reused else "")
-              + f"; the ledger {ledger} records {releases} release(s) of this site: epsilon {total:.4g} in all",
-              flush=True)
+        say(f"[{site}] {privacy.describe(report)}" + (f"; reused from {ledger}" if reused else "")
+            + f"; the ledger {ledger} records {releases} release(s) of this site: epsilon {total:.4g} in all")
     client = method.make_client(setup.net, setup.context(), **cfg.client)
     check_local_keys(client, here)
     return setup, client
@@ -205,72 +209,100 @@ def size_threads(meta: dict) -> None:
         torch.set_num_threads(int(meta[THREADS]))
 
 
-def main(argv=None, here: Path | None = None):
-    args = build_parser().parse_args(argv)
-    flare.init()
-    site = flare.get_site_name()
-    state_root = Path(os.environ.get("FEDLABELS_STATE", "fedlabels_state"))
-    cfg, fatal = None, None
-    first_task = True
-    try:
-        cfg = RunConfig.load(Path(args.config) if here is None else here / args.config)
-        setup, client = prepare(cfg, args, site, here)
-        print(f"[{site}] {cfg.method} on {setup.scenario.name}: {len(setup.items())} training cases, "
-              f"annotates {list(setup.site.profile.annotated) or 'nothing'}; client options {cfg.client}", flush=True)
-    except (ScenarioError, ValueError, FileNotFoundError) as e:
-        fatal = str(e)
-        print(f"[{site}] cannot start: {fatal}", flush=True)
-    while flare.is_running():
-        model = flare.receive()
-        if model is None:
-            break
+class SiteSession:
+    """One site's side of a job, task by task: what the client script's loop and the installed executor
+    (``fedlabels.flare.executor``, production jobs without custom code) both run.
+
+    ``cfg_source``: the run configuration's file or its contents (a dict); ``here``: the job's custom
+    folder, where a job's bundle and its ``config_fed_client.json`` (``../config``) are looked up. A bad
+    scenario or configuration does not raise: every task is answered with the redacted error, so the
+    server stops the job with that one message before round 0."""
+
+    def __init__(self, site: str, cfg_source, args, here: Path | None, say=say):
+        self.site, self.args, self.here, self.say = site, args, here, say
+        self.state_root = Path(os.environ.get("FEDLABELS_STATE", "fedlabels_state"))
+        self.cfg, self.fatal, self.first_task = None, None, True
+        try:
+            self.cfg = (RunConfig.from_json(dict(cfg_source), "config_fed_client.json: executor args: config")
+                        if isinstance(cfg_source, dict) else RunConfig.load(cfg_source))
+            self.setup, self.client = prepare(self.cfg, args, site, here, say)
+            say(f"[{site}] {self.cfg.method} on {self.setup.scenario.name}: {len(self.setup.items())} training "
+                f"cases, annotates {list(self.setup.site.profile.annotated) or 'nothing'}; client options "
+                f"{self.cfg.client}")
+        except (ScenarioError, ValueError, FileNotFoundError) as e:
+            self.fatal = str(e)
+            say(f"[{site}] cannot start: {self.fatal}")
+
+    def handle(self, task: str, model: FLModel) -> FLModel:
+        """The reply to one task ("train", "validate" or "submit_model") carrying ``model``."""
+        try:
+            return self._handle(task, model)
+        finally:
+            self.first_task = False
+
+    def _handle(self, task: str, model: FLModel) -> FLModel:
+        site, cfg, client, setup = self.site, self.cfg, getattr(self, "client", None), getattr(self, "setup", None)
         meta = model.meta or {}
-        if fatal:  # the full message stays in the site's log; the server learns no local path or file name
-            flare.send(FLModel(params={}, meta={FATAL: redact(fatal)}))
-            continue
+        if self.fatal:  # the full message stays in the site's log; the server learns no local path or file name
+            return FLModel(params={}, meta={FATAL: redact(self.fatal)})
         t0 = time.time()
-        if first_task:
+        if self.first_task:
             size_threads(meta)
-            print(f"[{site}] torch threads: {torch.get_num_threads()}", flush=True)
+            self.say(f"[{site}] torch threads: {torch.get_num_threads()}")
         rnd = model.current_round
-        folder = state_folder(state_root, meta[RUN], site) if meta.get(RUN) else None
+        folder = state_folder(self.state_root, meta[RUN], site) if meta.get(RUN) else None
         if folder is not None and rnd is not None and meta.get(PHASE) != "summary":
             if site in (meta.get(RESUME) or []):
                 # a resumed run: the state before the resumed round (the site may have trained that
                 # round already, for a server that died before aggregating it)
                 got = load_state(folder, client, before=rnd)
-                print(f"[{site}] resumed its state of round {got} from {folder}" if got is not None else
-                      f"[{site}] no saved state of this run before round {rnd} in {folder}: joins from the "
-                      "global model", flush=True)
-            elif first_task:
+                self.say(f"[{site}] resumed its state of round {got} from {folder}" if got is not None else
+                         f"[{site}] no saved state of this run before round {rnd} in {folder}: joins from the "
+                         "global model")
+            elif self.first_task:
                 # nvflare's simulator with fewer threads than sites starts a process per task: continue
                 # what this site saved last in this run (a second draw in a round continues the first)
                 got = load_state(folder, client, through=rnd)
                 if got is not None:
-                    print(f"[{site}] continued its state of this run (round {got}) from {folder}", flush=True)
-        if flare.is_train() and meta.get(PHASE) == "summary":
-            flare.send(FLModel(params={}, meta={SUMMARY: setup.summary(), VERSIONS: versions()}))
-        elif flare.is_train():
+                    self.say(f"[{site}] continued its state of this run (round {got}) from {folder}")
+        if task == "train" and meta.get(PHASE) == "summary":
+            return FLModel(params={}, meta={SUMMARY: setup.summary(), VERSIONS: versions()})
+        if task == "train":
             update = train_task(client, setup, model.params, rnd, meta.get(EXTRAS) or {})
             if folder is not None:
                 save_state(folder, client, rnd)
-            out = {**update.meta, N: update.n, ABSTAIN: update.abstain, REASON: redact(update.reason), EXTRAS: update.extras,
-                   "NUM_STEPS_CURRENT_ROUND": update.n}
+            out = {**update.meta, N: update.n, ABSTAIN: update.abstain, REASON: redact(update.reason),
+                   EXTRAS: update.extras, "NUM_STEPS_CURRENT_ROUND": update.n}
             weights, out, metrics = inject_fault(cfg.faults, site, rnd, update.weights, out, update.metrics,
-                                                 cfg.site_timeout)
-            flare.send(FLModel(params=on_the_wire(weights, cfg.transfer), metrics=metrics, meta=out))
+                                                 cfg.site_timeout, self.say)
             scores = {k: v for k, v in update.metrics.items() if k.startswith("val_") and "/" not in k}
-            print(f"[{site}] round {rnd}: n={update.n}" + (f" stopped: {update.reason}" if update.reason else
-                  " abstained" if update.abstain else
-                  f" train_loss={update.metrics.get('train_loss', float('nan')):.4f}")
-                  + f" received model: {scores} ({time.time() - t0:.1f}s)", flush=True)
-        elif flare.is_evaluate():
+            self.say(f"[{site}] round {rnd}: n={update.n}" + (f" stopped: {update.reason}" if update.reason else
+                     " abstained" if update.abstain else
+                     f" train_loss={update.metrics.get('train_loss', float('nan')):.4f}")
+                     + f" received model: {scores} ({time.time() - t0:.1f}s)")
+            return FLModel(params=on_the_wire(weights, cfg.transfer), metrics=metrics, meta=out)
+        if task == "validate":
             result = validate_task(client, setup, model.params)
-            flare.send(FLModel(metrics=flat_metrics(result) or {"val_cases": 0.0},
-                               meta={"evaluation": shareable(result, counts=not cfg.privacy)}))
-        elif flare.is_submit_model():  # the whole state dict: the job's filters withhold what the site keeps
-            flare.send(FLModel(params=on_the_wire(to_numpy(client.net.state_dict()), cfg.transfer)))
-        first_task = False
+            return FLModel(metrics=flat_metrics(result) or {"val_cases": 0.0},
+                           meta={"evaluation": shareable(result, counts=not cfg.privacy)})
+        if task == "submit_model":  # the whole state dict: the job's filters withhold what the site keeps
+            return FLModel(params=on_the_wire(to_numpy(client.net.state_dict()), cfg.transfer))
+        raise ValueError(f"task {task!r}: a fedlabels site answers {TASKS}")
+
+
+def main(argv=None, here: Path | None = None):
+    """The client script's loop (nvflare Client API): each task to the site's ``SiteSession``."""
+    args = build_parser().parse_args(argv)
+    flare.init()
+    session = SiteSession(flare.get_site_name(), Path(args.config) if here is None else here / args.config,
+                          args, here)
+    while flare.is_running():
+        model = flare.receive()
+        if model is None:
+            break
+        task = ("train" if flare.is_train() else "validate" if flare.is_evaluate() else
+                "submit_model" if flare.is_submit_model() else flare.get_task_name())
+        flare.send(session.handle(task, model))
 
 
 if __name__ == "__main__":

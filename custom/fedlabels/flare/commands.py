@@ -171,14 +171,15 @@ def evaluate_global(run_dir, bundle, data, which="best") -> dict:
     import torch
 
     from ..bundle import network
-    from ..bundle.workflows import load_state_dict
-    from ..config import FILE, RunConfig
+    from ..bundle.workflows import load_state_dict, run_config
     from ..site import evaluate, test_loader
 
     name = {"best": "best_FL_global_model.pt", "last": "FL_global_model.pt"}[which]
     ckpt = Path(run_dir) / "app_server" / name
-    cfg_path = Path(run_dir) / "app_server" / "custom" / FILE
-    cfg = RunConfig.load(cfg_path) if cfg_path.is_file() else None
+    try:
+        cfg = run_config(run_dir)
+    except FileNotFoundError:
+        cfg = None
     scenario = load_scenario(data, sites=[], with_test=False)
     net = network(bundle, cfg.network if cfg else None, class_names=list(scenario.classes))
     net.load_state_dict({k: torch.as_tensor(v) for k, v in load_state_dict(ckpt).items()})
@@ -191,15 +192,15 @@ def run_bundle(run_dir, bundle=None) -> Path:
     (from the job's custom folder, where it travelled, else bundles/). Another bundle's network would
     not load the run's weights, or would score a different network."""
     from ..bundle import bundle_path
-    from ..config import FILE, RunConfig
+    from ..bundle.workflows import run_config
 
     if bundle:
         return bundle_path(bundle)
-    custom = Path(run_dir) / "app_server" / "custom"
-    if not (custom / FILE).is_file():
-        raise FileNotFoundError(f"{run_dir}: not a fedlabels run's server folder (no app_server/custom/{FILE}); "
-                                "name the bundle with --bundle")
-    return bundle_path(RunConfig.load(custom / FILE).bundle, custom)
+    try:
+        cfg = run_config(run_dir)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{e}; name the bundle with --bundle") from None
+    return bundle_path(cfg.bundle, Path(run_dir) / "app_server" / "custom")
 
 
 def label_counts(data) -> dict:

@@ -15,7 +15,8 @@ Outputs in the server's run folder: ``FL_global_model.pt`` (last, written by
 the persistor), ``best_FL_global_model.pt``, ``metrics.jsonl`` (one line per
 round: per-site losses and per-class validation metrics, dropped and
 abstaining sites), ``fedlabels_server_state.pt`` (the resume checkpoint,
-``fedlabels.checkpoint``) and ``progress.json``, ``cross_site_eval.json``, ``label_summaries.json`` (each site's
+``fedlabels.checkpoint``) and ``progress.json``, ``fedlabels.json`` (the run configuration),
+``cross_site_eval.json``, ``label_summaries.json`` (each site's
 label summary as the server received it: the exported bundle's label table)
 and TensorBoard events under ``tb/``.
 """
@@ -66,7 +67,7 @@ def versions() -> dict:
 
 
 class FedLabelsController(BaseFedAvg):
-    def __init__(self, *args, resume_from: str = "", **kwargs):
+    def __init__(self, *args, resume_from: str = "", config: dict | None = None, **kwargs):
         """
         Everything else (method, options, seed, key metric, min_sites) comes from the
         job's ``fedlabels.json`` (``fedlabels.config``), which the sites read too.
@@ -74,11 +75,14 @@ class FedLabelsController(BaseFedAvg):
         Args:
             resume_from: a previous run's server folder (WS/server/simulate_job): training continues
                 from its last global model, server-rule state and round; sites load their saved state.
+            config: the run configuration itself (a production job that carries configuration only);
+                None: the ``fedlabels.json`` in the job's custom folder.
         """
         # A crashed site is dropped from the round (min_sites decides if the round counts).
         kwargs.setdefault("ignore_result_error", True)
         super().__init__(*args, **kwargs)
         self.resume_from = resume_from
+        self.config = config
         self._resume_sites = set()
         self._run_token = ""
         self._best_weights = None
@@ -113,8 +117,11 @@ class FedLabelsController(BaseFedAvg):
         (self.warning if level == "warning" else self.info)(msg)
 
     def _config(self) -> RunConfig:
-        folder = self.fl_ctx.get_engine().get_workspace().get_app_custom_dir(self.fl_ctx.get_job_id())
-        cfg = RunConfig.load(os.path.join(folder, FILE))
+        if self.config is not None:
+            cfg = RunConfig.from_json(dict(self.config), "config_fed_server.json: controller args: config")
+        else:
+            folder = self.fl_ctx.get_engine().get_workspace().get_app_custom_dir(self.fl_ctx.get_job_id())
+            cfg = RunConfig.load(os.path.join(folder, FILE))
         cfg.validate("server")
         return cfg
 
@@ -242,6 +249,7 @@ class FedLabelsController(BaseFedAvg):
 
     def _run(self) -> None:
         cfg = self._config()
+        cfg.save(self._path(FILE))  # the run's own record of its configuration (fedlabels export --run reads it)
         self._drills = [f.split(":", 1)[1] for f in cfg.faults if f.split(":")[0] == SERVER]
         self._run_token = f"{cfg.method}-{uuid.uuid4().hex[:12]}"
         self._transfer = cfg.transfer

@@ -135,8 +135,14 @@ FEDMIX_JOBS = [
 JOBS = {spec.name: spec for spec in CXR_JOBS + OTHER_TASK_JOBS + SEMISUP_JOBS + FEDMLP_JOBS + FEDMIX_JOBS}
 
 
-def build_job(spec: JobSpec, workdir) -> FedJob:
-    """The job; its ``fedlabels.json`` is written into ``workdir``, which must outlive the export."""
+def build_job(spec: JobSpec, workdir, installed: bool = False) -> FedJob:
+    """The job; its ``fedlabels.json`` is written into ``workdir``, which must outlive the export.
+
+    ``installed``: the production form, configuration only (no custom folder: nvflare counts any as
+    custom code, BYOC). The sites run the installed ``fedlabels.flare.executor.SiteExecutor`` and the
+    installed bundles; the run configuration travels as the executor's and the controller's argument.
+    Otherwise the job carries the client script, ``fedlabels.json`` and a copy of the bundle (the
+    simulator form: a bundle edited in the job is what the sites run)."""
     cfg = spec.config()
     cfg.validate("server")
     cfg.validate("client")
@@ -148,18 +154,22 @@ def build_job(spec: JobSpec, workdir) -> FedJob:
     job = FedJob(name=spec.name, min_clients=spec.min_sites)
     # fedlabels is pip-installed at every site and server: reference it, don't copy it.
     job.set_app_packages(["fedlabels"])
-    job.to_server(FedLabelsController(num_clients=spec.sites, num_rounds=spec.rounds, resume_from=spec.resume_from),
-                  id="controller")
+    job.to_server(FedLabelsController(num_clients=spec.sites, num_rounds=spec.rounds, resume_from=spec.resume_from,
+                                      config=cfg.to_json() if installed else None), id="controller")
     # Sites poll for tasks every 0.2 s instead of 2 s: a round is not padded by polling.
     job.to_server({"server": {"task_request_interval": 0.2}})
     job.to_server(PTModel(net))
-    if spec.external_process:
+    if installed:
+        from .executor import SiteExecutor
+
+        executor = SiteExecutor(config=cfg.to_json())
+    elif spec.external_process:
         executor = ClientAPIExecutor(execution_mode="external_process", command=f"python3 -u custom/{SHIM.name}",
                                      params_exchange_format=ExchangeFormat.NUMPY, server_expected_format=ExchangeFormat.NUMPY)
     else:
         executor = ClientAPIExecutor(execution_mode="in_process", task_script_path=SHIM.name, task_script_args="",
                                      params_exchange_format=ExchangeFormat.NUMPY, server_expected_format=ExchangeFormat.NUMPY)
-    job.to_clients(executor, tasks=["*"])
+    job.to_clients(executor, tasks=TASKS if installed else ["*"])
     # Result filters at the sites run in this order: what a site keeps is removed first, then
     # the weights are quantized, and the audit record sees the reply as it leaves.
     keep = local_keys(net, methods.get(spec.method).client_options(**spec.client).get("bn_policy", "fedavg"))
@@ -168,6 +178,8 @@ def build_job(spec: JobSpec, workdir) -> FedJob:
     if spec.transfer == "float16":
         add_half_precision_filters(job)
     job.to_clients(SentRecord(), filter_type=FilterType.TASK_RESULT, tasks=TASKS)
+    if installed:
+        return job
     job.add_file_to_clients(str(SHIM))
     # One configuration file for both sides (the simulator and a POC/production deployment
     # both place it in the app's custom folder).
@@ -206,16 +218,16 @@ def add_half_precision_filters(job: FedJob) -> None:
     job.to_clients(ModelQuantizer(quantization_type="float16"), filter_type=FilterType.TASK_RESULT, tasks=TASKS)
 
 
-def export(spec: JobSpec, out_dir) -> Path:
+def export(spec: JobSpec, out_dir, installed: bool = False) -> Path:
     """Write the job folder ``out_dir/<name>`` (replacing an older one atomically; a folder of that name
-    that is not a job folder is refused, never deleted)."""
+    that is not a job folder is refused, never deleted). ``installed``: the production form (``build_job``)."""
     out_dir = Path(out_dir)
     from ..profile import check_output_dir
 
     check_output_dir(out_dir / spec.name, ("meta.json",), "FLARE job folder", option="job folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        build_job(spec, tmp).export_job(tmp)
+        build_job(spec, tmp, installed=installed).export_job(tmp)
         for config in (Path(tmp) / spec.name).glob("*/config/config_fed_*.json"):
             _sort_filter_tasks(config)
         target = out_dir / spec.name
@@ -254,6 +266,9 @@ def run_cli(spec: JobSpec, argv=None) -> None:
     where.add_argument("--sim", metavar="WORKSPACE", help="run in the FLARE simulator")
     where.add_argument("--poc", action="store_true", help="run in a local POC deployment (nvflare poc prepare first)")
     where.add_argument("--prod", metavar="STARTUP_KIT", help="submit to a provisioned project with this admin startup kit")
+    p.add_argument("--config-only", action="store_true",
+                   help="--out: the production form (no custom code: the sites run the installed fedlabels; "
+                        "what --prod submits)")
     p.add_argument("-n", "--sites", type=int, default=spec.sites)
     p.add_argument("--rounds", type=int, default=spec.rounds)
     p.add_argument("-t", "--threads", type=int, help="--sim: worker processes (default: as `fedlabels simulate`)")
@@ -279,8 +294,10 @@ def run_cli(spec: JobSpec, argv=None) -> None:
         p.error(f"--site-timeout {args.site_timeout}: must be >= 1 (seconds)")
     spec = dataclasses.replace(spec, sites=args.sites, rounds=args.rounds, transfer=args.transfer,
                                min_sites=args.min_sites, resume_from=args.resume_from, site_timeout=args.site_timeout)
+    if args.config_only and not args.out:
+        p.error("--config-only goes with --out (--prod always submits the production form)")
     if args.out:
-        print(export(spec, args.out))
+        print(export(spec, args.out, installed=args.config_only))
         return
 
     workdir = tempfile.mkdtemp(prefix=f"{spec.name}-")  # the job folder the recipe submits, removed after
@@ -296,7 +313,9 @@ def _execute(spec: JobSpec, args, workdir: str) -> None:
 
     class FedLabelsRecipe(Recipe):
         def __init__(self):
-            super().__init__(build_job(spec, workdir))
+            # a provisioned federation runs the installed fedlabels: the job carries configuration only (nvflare's
+            # POC kits keep nvflare's default class allow list, so --poc submits the job with its code)
+            super().__init__(build_job(spec, workdir, installed=bool(args.prod)))
 
     if args.sim:
         from .commands import default_threads

@@ -11,7 +11,10 @@ What a hospital controls itself: each hospital is its own organisation with its
 own org admin (who may operate its own site, and nothing else, under nvflare's
 default policy), and ``--no-byoc`` writes a site's ``local/authorization.json``
 so that the site refuses every job that carries custom code, whoever submits
-it. The root CA's private key (``state/cert.json``) is readable by its owner
+it. Production jobs carry configuration only (``fedlabels.flare.job.build_job``
+with ``installed``): they name classes of the installed packages, and every
+kit's ``local/resources.json`` adds exactly those (``ALLOWED``) to nvflare's
+class allow list, which a site enforces on every job without custom code. The root CA's private key (``state/cert.json``) is readable by its owner
 only, and the provisioning folder gets a ``.gitignore`` so that no kit or key
 is committed by accident. Deployment guide: ``docs/deployment.md``.
 """
@@ -34,6 +37,13 @@ from nvflare.lighter.spec import Builder
 from ..profile import write_atomic
 
 PINNED = ("fedlabels", "nvflare", "monai", "torch")
+# What a production job's configuration names beyond nvflare's default allow list: our controller, site
+# executor and audit filter, the networks of our bundles (the server's persistor builds one), and nvflare's
+# PyTorch persistor, its model locator and its quantization filters (half-precision transfer).
+ALLOWED = ("fedlabels.flare.controller.FedLabelsController", "fedlabels.flare.executor.SiteExecutor",
+           "fedlabels.flare.sent.SentRecord", "fedlabels.nets", "monai.networks.nets",
+           "nvflare.app_opt.pt.file_model_persistor.PTFileModelPersistor",
+           "nvflare.app_opt.pt.file_model_locator.PTFileModelLocator", "nvflare.app_opt.pt.quantization")
 REQUIREMENTS = "requirements.txt"
 
 
@@ -141,6 +151,21 @@ def no_byoc_policy(default: dict) -> dict:
     return policy
 
 
+def allow_fedlabels(kit: Path) -> Path:
+    """The kit's ``local/resources.json``: its default with ``ALLOWED`` added to ``class_allow_list``."""
+    local = Path(kit) / "local"
+    path = local / "resources.json"
+    config = json.loads((path if path.exists() else local / "resources.json.default").read_text())
+    allowed = list(config.get("class_allow_list") or [])
+    if not allowed:
+        from nvflare.app_common.default_component_policy import DEFAULT_CLASS_ALLOW_LIST
+
+        allowed = list(DEFAULT_CLASS_ALLOW_LIST)
+    config["class_allow_list"] = allowed + [c for c in ALLOWED if c not in allowed]
+    write_atomic(path, json.dumps(config, indent=2).encode())
+    return path
+
+
 def protect(out: Path, name: str) -> None:
     """The root CA's private key readable by its owner only; a .gitignore over the whole provisioning folder."""
     state = out / name / "state"
@@ -174,6 +199,9 @@ def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int
         raise RuntimeError(f"nvflare provision failed ({project_file}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     prod = sorted((out / name).glob("prod_*"), key=lambda p: int(p.name.split("_")[1]))[-1]
     kits = {p["name"]: prod / p["name"] for p in spec["participants"]}
+    for p in spec["participants"]:
+        if p["type"] in ("server", "client"):
+            allow_fedlabels(kits[p["name"]])
     for site in no_byoc:
         local = kits[site] / "local"
         default = json.loads((local / "authorization.json.default").read_text())
