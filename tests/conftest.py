@@ -48,6 +48,16 @@ def sim_run(tmp_path_factory):
     runs.close()
 
 
+def pytest_configure(config):
+    """The session's own training (bench cells, reference loops, exports) on one torch thread: the
+    shared simulator runs, the claims' calibration processes and the deployment lane share the cores
+    with it, and torch threads spinning against other processes ran these tests 10-20x slower. (A test
+    that needs another count sets it and restores it; subprocesses are not affected.)"""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _prefetch_shared_runs(request):
     """Start, in test order, the shared runs the selected tests declare in their module's ``SHARED_RUNS``

@@ -5,9 +5,13 @@ participant starts from its kit (``startup/start.sh``) as its own process
 tree, each hospital with its own scenario folder in ``FEDLABELS_DATA``
 (holding only its own site). Jobs are submitted the way an admin does it,
 ``python nvflare_jobs/<job>/job.py --prod ADMIN_KIT`` (nvflare's ProdEnv
-through the admin API). The tests run in file order on one federation:
-a job and its exported model; malformed data at one hospital; a hospital
-killed mid-round; the server killed mid-job and the job resumed.
+through the admin API), in their production form (configuration only;
+site-2 is provisioned with ``--no-byoc``). The tests run in file order on one
+federation: a job and its exported model; malformed data at one hospital; a
+job with custom code refused by site-2; a site running another fedlabels
+version refused; a kit signed by another CA refused; hostile replies and a
+stalled hospital dropped; a hospital killed mid-round; the server killed
+mid-job and the job resumed, one hospital without its saved state.
 
 The killed hospital is killed while it holds its trained round-1 update (the
 ``hang`` fault drill: it never sends it), so the test does not depend on how fast
@@ -80,7 +84,7 @@ def fed(tmp_path_factory):
     sites = {s: Participant(kits[s], env={"FEDLABELS_DATA": str(data[s]), "OMP_NUM_THREADS": "1"}).start()
              for s in SITES}
     fed = {"tmp": tmp, "kits": kits, "data": data, "full": full, "server": server, "sites": sites,
-           "admin": kits[ADMIN]}
+           "admin": kits[ADMIN], "ports": (fl_port, admin_port)}
     try:
         wait_for_sites(kits[ADMIN], SITES)
         yield fed
@@ -251,11 +255,16 @@ def test_a_hospital_with_malformed_data_stops_the_job_before_round_0(fed):
 
 
 def test_a_hospital_that_refuses_custom_code_refuses_a_job_that_carries_it(fed):
-    """site-2 was provisioned with --no-byoc: the committed job folder (the simulator form, with its client
-    script and bundle) is refused there whoever submits it, the project admin included; every other test
-    submits the production form (configuration only) and runs at both."""
+    """site-2 was provisioned with --no-byoc: a job folder in the simulator form (its client script and
+    bundle in app/custom) is refused there whoever submits it, the project admin included; every other
+    test submits the production form (configuration only) and runs at both."""
     kit = ["--startup-kit", str(fed["admin"])]
-    out = nvflare("job", "submit", "-j", str(JOB.parent), *kit)
+    # the committed job's form (client script and bundle in app/custom), needing both hospitals: refused at
+    # site-2, it cannot start anywhere
+    folder = subprocess.run([sys.executable, str(JOB), "--out", str(fed["tmp"] / "byoc"), "-n", "2", "--min-sites", "2"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    assert (Path(folder) / "app" / "custom").is_dir()
+    out = nvflare("job", "submit", "-j", folder, *kit)
     job_id = re.search(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", out).group(0)
     try:
         deadline = time.time() + 120
@@ -269,8 +278,85 @@ def test_a_hospital_that_refuses_custom_code_refuses_a_job_that_carries_it(fed):
         nvflare("job", "wait", job_id, "--timeout", "60", *kit, check=False)
     assert re.search(r"BYOC\W+yes", status), status
     assert re.search(r"site-2\W+NVFLARE_ERROR: BYOC not permitted", status), status
-    assert re.search(r"site-1\W+OK", status), status  # site-1 takes custom code from the project admin
     assert not list(fed["kits"]["site-2"].glob(f"{job_id}/log.txt"))  # nothing of it ran at site-2
+
+
+def site_env(fed, site, **extra) -> dict:
+    return {"FEDLABELS_DATA": str(fed["data"][site]), "OMP_NUM_THREADS": "1", **extra}
+
+
+def connected(fed) -> set:
+    from fedlabels.flare.local_federation import admin_session
+
+    session = admin_session(fed["admin"])
+    try:
+        return {c.name for c in session.get_system_info().client_info}
+    finally:
+        session.close()
+
+
+def test_a_hospital_running_another_fedlabels_version_is_refused_before_round_0(fed):
+    """site-2 restarted in an environment where fedlabels reports another version (a distribution record
+    first on its path): the server compares every site's versions at the handshake and stops the job
+    before round 0, naming the site and both versions."""
+    other = fed["tmp"] / "other-version"
+    (other / "fedlabels-0.0.1.dist-info").mkdir(parents=True, exist_ok=True)
+    (other / "fedlabels-0.0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: fedlabels\n"
+                                                                  "Version: 0.0.1\n")
+    fed["sites"]["site-2"].stop()
+    fed["sites"]["site-2"] = Participant(fed["kits"]["site-2"],
+                                         env=site_env(fed, "site-2", PYTHONPATH=str(other))).start()
+    try:
+        wait_for_sites(fed["admin"], SITES)
+        job_id, status, result = submit(fed, "--rounds", "1")
+    finally:
+        fed["sites"]["site-2"].stop()
+        fed["sites"]["site-2"] = Participant(fed["kits"]["site-2"], env=site_env(fed, "site-2")).start()
+        wait_for_sites(fed["admin"], SITES)
+    assert status != "FINISHED:COMPLETED", status
+    log = (result / "workspace" / "log.txt").read_text()
+    assert f"site-2 runs {{'fedlabels': '0.0.1'}}, the server {{'fedlabels': '{installed('fedlabels')}'" in log
+    assert not (result / "workspace" / "metrics.jsonl").exists()  # no round ran
+
+
+def test_a_site_whose_certificate_another_ca_signed_is_refused(fed):
+    """A kit provisioned by another project (its own root CA) for this server's address and ports: the
+    server's mutual TLS refuses it, and it never joins the federation."""
+    fl_port, admin_port = fed["ports"]
+    out = subprocess.run([FEDLABELS, "provision", "--project", "rogue", "--server", "localhost", "--sites", "site-3",
+                          "--admin", ADMIN, "--out", str(fed["tmp"] / "rogue"), "--fl-port", str(fl_port),
+                          "--admin-port", str(admin_port)], capture_output=True, text=True, check=True).stdout
+    kit = Path(next(line.split()[1] for line in out.splitlines() if line.startswith("site-3 ")))
+    rogue = Participant(kit, env={"FEDLABELS_DATA": str(fed["data"]["site-2"]), "OMP_NUM_THREADS": "1"}).start()
+    try:
+        deadline, log, refused = time.time() + 90, kit / "log.txt", None
+        while time.time() < deadline and refused is None:  # the kit's own log: its connection attempts
+            time.sleep(1)
+            text = log.read_text(errors="replace") if log.is_file() else ""
+            refused = re.search(r"ClientConnectorCertificateError.*SSLCertVerification", text)
+        assert refused, (log.read_text(errors="replace") if log.is_file() else "no log.txt")[-3000:]
+        assert "site-3" not in connected(fed)
+    finally:
+        rogue.stop()
+
+
+def test_hostile_replies_and_a_stalled_hospital_are_dropped_and_the_job_finishes(fed):
+    """site-2 sends what a broken or hostile site could (a case count that is no number, one far above
+    what it declared at the handshake, weights of another dtype) and, in round 1, answers only after
+    the server's site_timeout: each is dropped with its reason in metrics.jsonl, and every round goes
+    on with site-1."""
+    job_id, status, result = submit(fed, "--rounds", "4", "--min-sites", "1", "--site-timeout", "15",
+                                    faults=["site-2:n_text:0", "site-2:stall:1", "site-2:dtype:2", "site-2:n_huge:3"])
+    assert status == "FINISHED:COMPLETED"
+    recs = [json.loads(line) for line in (result / "workspace" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in recs] == [0, 1, 2, 3] and all(r["aggregated"] for r in recs)
+    assert [sorted(r["dropped"]) for r in recs] == [["site-2"]] * 4
+    reasons = [r["dropped"]["site-2"] for r in recs]
+    assert "case count 'many' is not a positive integer" in reasons[0]
+    assert "no result" in reasons[1]  # stalled past the timeout
+    assert "dtype of" in reasons[2] and "float64" in reasons[2]
+    assert "exceeds the" in reasons[3]
+    assert "did not answer within 15s (site_timeout)" in (result / "workspace" / "log.txt").read_text()
 
 
 def test_a_killed_hospital_is_left_out_and_the_job_finishes(fed):
