@@ -799,7 +799,7 @@ def test_production_jobs_carry_configuration_only_and_name_only_allowed_classes(
     from fedlabels.flare.job import export
     from fedlabels.flare.provision import ALLOWED
 
-    allowed = [*DEFAULT_CLASS_ALLOW_LIST, *ALLOWED]
+    allowed, used = [*DEFAULT_CLASS_ALLOW_LIST, *ALLOWED], set()
     specs = [*JOBS.values(), dataclasses.replace(JOBS["fedbn_cxr"], name="fedbn_half", transfer="float16")]
     for spec in specs:
         folder = export(spec, tmp_path, installed=True)
@@ -810,7 +810,9 @@ def test_production_jobs_carry_configuration_only_and_name_only_allowed_classes(
         assert "fedlabels.flare.executor.SiteExecutor" in paths and "fedlabels.flare.controller.FedLabelsController" in paths
         refused = [p for p in paths if not any(p == a or p.startswith(a.rstrip(".") + ".") for a in allowed)]
         assert not refused, (spec.name, refused)
+        used |= {a for a in ALLOWED for p in paths if p == a or p.startswith(a + ".")}
         configs = "".join((folder / f).read_text() for f in files if f.startswith("app/"))
         assert not re.search(r'"[$@%]', configs), spec.name  # no MONAI expression or reference travels with the job
         client = json.loads((folder / "app/config/config_fed_client.json").read_text())
         assert client["executors"][0]["executor"]["args"]["config"] == spec.config().to_json()
+    assert used == set(ALLOWED)  # the kits allow nothing a production job does not name

@@ -292,8 +292,9 @@ def save_state(folder, client, rnd: int) -> Path:
     torch.save({"round": rnd, "state": client.state_dict()}, buf)
     path = folder / f"round-{rnd:05d}.pt"
     write_atomic(path, buf.getvalue())
-    for old in sorted(_saved_rounds(folder))[:-STATE_KEEP]:
-        _saved_rounds(folder)[old].unlink(missing_ok=True)
+    saved = _saved_rounds(folder)
+    for old in sorted(saved)[:-STATE_KEEP]:
+        saved[old].unlink(missing_ok=True)
     return path
 
 
@@ -323,12 +324,13 @@ def load_state(folder, client, *, before: int | None = None, through: int | None
     from .methods.base import load_state_file
 
     limit = before - 1 if before is not None else through
-    rounds = [r for r in _saved_rounds(Path(folder)) if limit is None or r <= limit]
+    files = _saved_rounds(Path(folder))
+    rounds = [r for r in files if limit is None or r <= limit]
     if not rounds:
         return None
-    path = _saved_rounds(Path(folder))[max(rounds)]
-    saved = load_state_file(path)
-    if saved.get("round") != max(rounds):
-        raise ValueError(f"{path}: field 'round': {saved.get('round')!r}, not the round its name says")
+    rnd = max(rounds)
+    saved = load_state_file(files[rnd])
+    if saved.get("round") != rnd:
+        raise ValueError(f"{files[rnd]}: field 'round': {saved.get('round')!r}, not the round its name says")
     client.load_state_dict(saved["state"])
-    return max(rounds)
+    return rnd

@@ -221,7 +221,7 @@ class SiteSession:
     def __init__(self, site: str, cfg_source, args, here: Path | None, say=say):
         self.site, self.args, self.here, self.say = site, args, here, say
         self.state_root = Path(os.environ.get("FEDLABELS_STATE", "fedlabels_state"))
-        self.cfg, self.fatal, self.first_task = None, None, True
+        self.cfg, self.setup, self.client, self.fatal, self.first_task = None, None, None, None, True
         try:
             self.cfg = (RunConfig.from_json(dict(cfg_source), "config_fed_client.json: executor args: config")
                         if isinstance(cfg_source, dict) else RunConfig.load(cfg_source))
@@ -241,7 +241,7 @@ class SiteSession:
             self.first_task = False
 
     def _handle(self, task: str, model: FLModel) -> FLModel:
-        site, cfg, client, setup = self.site, self.cfg, getattr(self, "client", None), getattr(self, "setup", None)
+        site, cfg, client, setup = self.site, self.cfg, self.client, self.setup
         meta = model.meta or {}
         if self.fatal:  # the full message stays in the site's log; the server learns no local path or file name
             return FLModel(params={}, meta={FATAL: redact(self.fatal)})

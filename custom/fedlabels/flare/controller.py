@@ -251,6 +251,10 @@ class FedLabelsController(BaseFedAvg):
         cfg = self._config()
         cfg.save(self._path(FILE))  # the run's own record of its configuration (fedlabels export --run reads it)
         self._drills = [f.split(":", 1)[1] for f in cfg.faults if f.split(":")[0] == SERVER]
+        unknown = [d for d in self._drills if d.split(":")[0] not in DRILL_POINTS]
+        if unknown:
+            self.panic(f"faults: server drill {unknown[0]!r}: the points are {list(DRILL_POINTS)}")
+            return
         self._run_token = f"{cfg.method}-{uuid.uuid4().hex[:12]}"
         self._transfer = cfg.transfer
         self._site_timeout = cfg.site_timeout or (0 if self._simulated() else DEFAULT_SITE_TIMEOUT)

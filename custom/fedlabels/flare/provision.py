@@ -41,7 +41,7 @@ PINNED = ("fedlabels", "nvflare", "monai", "torch")
 # executor and audit filter, the networks of our bundles (the server's persistor builds one), and nvflare's
 # PyTorch persistor, its model locator and its quantization filters (half-precision transfer).
 ALLOWED = ("fedlabels.flare.controller.FedLabelsController", "fedlabels.flare.executor.SiteExecutor",
-           "fedlabels.flare.sent.SentRecord", "fedlabels.nets", "monai.networks.nets",
+           "fedlabels.flare.sent.SentRecord", "fedlabels.nets",
            "nvflare.app_opt.pt.file_model_persistor.PTFileModelPersistor",
            "nvflare.app_opt.pt.file_model_locator.PTFileModelLocator", "nvflare.app_opt.pt.quantization")
 REQUIREMENTS = "requirements.txt"
