@@ -162,6 +162,7 @@ def test_test_items_with_a_group_are_also_scored_per_group(run, tmp_path):
     (["--opt", "fedprox:mu=0.1"], "not one of --methods"),
     (["--eval-rounds", "1,3"], "outside 1..2"),
     (["--eval-rounds", "0"], "outside 1..2"),
+    (["--eval-rounds", "1"], "the last scored round 1 is not --rounds 2"),
     (["--synth", "no_such=1"], "unknown option"),
 ])
 def test_bad_input_fails_before_any_cell(tmp_path, extra, message):

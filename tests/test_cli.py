@@ -300,7 +300,8 @@ def test_export_twin_first_and_mean_and_a_single_network_refused(tmp_path, capsy
 
 def test_provisioning_gives_each_hospital_its_admin_its_byoc_policy_and_guards_the_ca(tmp_path):
     """Each hospital gets its own org admin (role org_admin, its own org); a --no-byoc site's
-    local/authorization.json refuses custom code for every role, the others keep nvflare's default; the root
+    local/authorization.json refuses custom code for every role, the others keep nvflare's default; every
+    hospital's local/privacy.json runs its own audit record on every job; the root
     CA's private key is readable by its owner only; a .gitignore covers the whole provisioning folder."""
     import stat
 
@@ -320,6 +321,12 @@ def test_provisioning_gives_each_hospital_its_admin_its_byoc_policy_and_guards_t
         {"project_admin": "none", "org_admin": "none", "lead": "none", "member": "none"}
     assert policy["project_admin"]["submit_job"] == "any"  # only custom code is refused
     assert not (prod / "hospital-a" / "local" / "authorization.json").exists()  # nvflare's default applies
+    for site in ("hospital-a", "hospital-b"):  # every hospital's own audit record, in its default privacy scope
+        scope = json.loads((prod / site / "local" / "privacy.json").read_text())
+        assert scope["default_scope"] == "fedlabels" and [s["name"] for s in scope["scopes"]] == ["fedlabels"]
+        assert scope["scopes"][0]["task_result_filters"] == [{"path": "fedlabels.flare.sent.SentRecord",
+                                                               "args": {"stage": "site"}}]
+    assert not (prod / "localhost" / "local" / "privacy.json").exists()
     assert stat.S_IMODE((out / "study" / "state" / "cert.json").stat().st_mode) == 0o600
     assert stat.S_IMODE((out / "study" / "state").stat().st_mode) == 0o700
     assert (out / ".gitignore").read_text().splitlines()[-1] == "*"

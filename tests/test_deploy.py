@@ -11,7 +11,8 @@ federation: a job and its exported model; malformed data at one hospital; a
 job with custom code refused by site-2; a site running another fedlabels
 version refused; a kit signed by another CA refused; hostile replies and a
 stalled hospital dropped; a hospital killed mid-round; the server killed
-mid-job and the job resumed, one hospital without its saved state.
+at several points of a job, each time resumed to the uninterrupted model, then one hospital
+without its saved state.
 
 The killed hospital is killed while it holds its trained round-1 update (the
 ``hang`` fault drill: it never sends it), so the test does not depend on how fast
@@ -27,6 +28,7 @@ docs/deployment.md says where an IT team sets them.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import re
@@ -190,6 +192,11 @@ def test_a_job_runs_on_the_loopback_federation_and_its_model_serves(fed, tmp_pat
             assert e["array_bytes"] == sum(np.asarray(v).nbytes for v in state.values())
             assert e["meta"]["n"] == len(json.loads((fed["data"][site] / site / "datalist.json").read_text())["training"])
         assert sent[3]["weights"] == {}  # validation sends metrics only
+        # the hospital's own record (its kit's privacy.json): the same replies, before the job's filters
+        lines = (fed["kits"][site] / "fedlabels_sent" / f"{site}.site.jsonl").read_text().splitlines()
+        own = [e for e in map(json.loads, lines) if e["time"] > t0]
+        assert [(e["task"], e["weights"], e["meta"]) for e in own] == [(e["task"], e["weights"], e["meta"]) for e in sent]
+        assert [e["round"] for e in own[1:3]] == [0, 1]
     # the clinical bundle: thresholds from the sites' validation cases, test metrics, the run's provenance
     bundle = tmp_path / "bundle"
     subprocess.run([FEDLABELS, "export", "--bundle", "cxr_densenet121", "--run", str(result / "workspace"),
@@ -226,12 +233,21 @@ def test_a_job_runs_on_the_loopback_federation_and_its_model_serves(fed, tmp_pat
 
 
 def test_a_hospital_with_malformed_data_stops_the_job_before_round_0(fed):
+    """The production job folder, its audit filter deleted from its configuration by hand, through
+    nvflare's own admin CLI: site-2's malformed datalist stops the job before round 0, and each hospital's
+    own record (its kit's local/privacy.json) still holds what it sent, the job's record nothing."""
+    t0 = time.time()
     datalist = fed["data"]["site-2"] / "site-2" / "datalist.json"
     good = datalist.read_text()
     datalist.write_text(good.replace('"label"', '"labels"', 1))
     kit = ["--startup-kit", str(fed["admin"])]
     folder = subprocess.run([sys.executable, str(JOB), "--out", str(fed["tmp"] / "jobs"), "--config-only"],
                             capture_output=True, text=True, check=True).stdout.strip()
+    client_config = Path(folder) / "app" / "config" / "config_fed_client.json"
+    config = json.loads(client_config.read_text())
+    assert [f["path"] for c in config["task_result_filters"] for f in c["filters"]] == ["fedlabels.flare.sent.SentRecord"]
+    config["task_result_filters"] = []
+    client_config.write_text(json.dumps(config))
     try:
         # the production job folder through nvflare's own admin CLI (docs/deployment.md, "Submit")
         out = nvflare("job", "submit", "-j", folder, *kit)
@@ -252,6 +268,13 @@ def test_a_hospital_with_malformed_data_stops_the_job_before_round_0(fed):
     own = "".join(p.read_text() for p in fed["kits"]["site-2"].rglob(f"{job_id}/log.txt"))
     assert str(datalist) in own and "label" in own
     assert not list(result.rglob("metrics.jsonl"))  # no round ran
+    for site, task in (("site-1", "summary"), ("site-2", "fatal")):  # site-1's label summary, site-2's error
+        records = fed["kits"][site] / "fedlabels_sent"
+        own = [e for e in map(json.loads, (records / f"{site}.site.jsonl").read_text().splitlines()) if e["time"] > t0]
+        assert [e["task"] for e in own] == [task], own
+        job_record = records / f"{site}.jsonl"
+        assert not job_record.exists() or all(json.loads(line)["time"] < t0
+                                              for line in job_record.read_text().splitlines())
 
 
 def test_a_hospital_that_refuses_custom_code_refuses_a_job_that_carries_it(fed):
@@ -380,37 +403,80 @@ def test_a_killed_hospital_is_left_out_and_the_job_finishes(fed):
     wait_for_sites(fed["admin"], SITES)
 
 
-def test_a_restarted_server_resumes_the_job_from_its_last_global_model(fed):
-    """3 rounds, the server killed once round 0 is aggregated: the resumed job must run the rest (at
-    least one round after the restart; were the first job done before the kill, the test fails)."""
-    t0 = time.time()
-    proc = submit(fed, "--rounds", "3", wait=False)
+def test_a_server_killed_at_any_point_resumes_to_the_uninterrupted_model(fed):
+    """fedavg_cxr for 4 rounds (each site keeps its Adam moments from round to round), the server stopped
+    three times and the job resumed each time from the folder the stopped server left: the whole server
+    killed (SIGKILL) wherever it is once round 0 is aggregated, then restarted; the fault drill once the
+    sites have answered round 2 (they hold their round-2 state, the server wrote nothing of the round);
+    and once round 2's checkpoint is written but not its model file. The last leg's global model equals 4
+    uninterrupted rounds of the in-process engine, the engine the FLARE controller runs (FLARE = in-process
+    is tested in tests/test_flare.py). Then site-2 loses its saved state and the last round is resumed
+    again: it joins from the global model."""
+    from fedlabels.flare.job import JOBS
+    from fedlabels.references import federate, setups
+
     server_kit = fed["kits"]["localhost"]
+    t0 = time.time()
+    proc = submit(fed, "--rounds", "4", wait=False)
     try:
         progress = wait_for_round(server_kit, 1, t0, proc)
         fed["server"].stop()
     finally:
         proc.kill()
         proc.communicate()
-    run_dir = progress.parent
+    first = progress.parent
     next_round, run = (json.loads(progress.read_text())[k] for k in ("next_round", "run"))
+    assert next_round in (1, 2), next_round  # stopped in round 1 (or 2 on a fast machine), before the drills' round
     fed["server"] = Participant(server_kit, env=SERVER_ENV).start()
     wait_for_sites(fed["admin"], SITES)
-    assert 1 <= next_round < 3, next_round  # the first job was stopped part way
+
+    def leg(resume_from, *faults):
+        job_id, status, result = submit(fed, "--rounds", "4", "--resume-from", str(resume_from), faults=faults)
+        assert status == "FINISHED:COMPLETED", status
+        log = (result / "workspace" / "log.txt").read_text()
+        assert f"resuming from {resume_from}: round " in log
+        metrics = result / "workspace" / "metrics.jsonl"
+        recs = [json.loads(line)["round"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        # nvflare archives a finished job's run folder into its job store: resumed from the admin's download
+        return result / "workspace", job_id, log, recs
+
+    b, job_id, log, recs = leg(first, "server:mid_round:2")
+    assert "fault drill: the server dies at mid_round of round 2" in log
+    assert recs == list(range(next_round, 2)), recs  # round 2 answered by the sites, never logged
+    assert json.loads((b / "progress.json").read_text())["next_round"] == 2
+    c, job_id, log, recs = leg(b, "server:before_model:2")
+    for site in SITES:  # they had trained round 2 for the stopped server: they resume the state before it
+        assert f"[{site}] resumed its state of round 1" in site_log(fed, site, job_id)
+    assert recs == [2] and json.loads((c / "progress.json").read_text())["next_round"] == 3
+    d, job_id, log, recs = leg(c)
+    assert recs == [3] and f"(run {run})" in log
+    for site in SITES:
+        assert f"[{site}] resumed its state of round 2" in site_log(fed, site, job_id)
+    resumed = torch.load(d / "app_server" / "FL_global_model.pt", weights_only=False)["model"]
+
+    spec = dataclasses.replace(JOBS["fedavg_cxr"], sites=2, rounds=4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each hospital (OMP_NUM_THREADS=1): the same order of sums
+    try:
+        straight = federate("fedavg", setups(REPO / "bundles" / spec.bundle, fed["full"], seed=spec.seed,
+                                             config=spec.config().bundle_config() or None),
+                            4, seed=spec.seed, client_options=spec.client, log=None)["last"]
+    finally:
+        torch.set_num_threads(threads)
+    assert set(resumed) == set(straight)
+    for k in resumed:
+        np.testing.assert_allclose(np.asarray(resumed[k]), straight[k], rtol=0, atol=1e-5, err_msg=k)
+
     # site-2 lost its saved state (a replaced machine, or a site new to the run): it joins from the global model
     lost = list(fed["kits"]["site-2"].rglob(f"fedlabels_state/{run}/site-2"))
     assert lost, "site-2 saved no state under its kit"
     for folder in lost:
         shutil.rmtree(folder)
-    job_id, status, result = submit(fed, "--rounds", "3", "--resume-from", str(run_dir))
-    assert status == "FINISHED:COMPLETED"
-    rounds = [json.loads(line)["round"] for line in (result / "workspace" / "metrics.jsonl").read_text().splitlines()]
-    assert rounds == list(range(next_round, 3)) and rounds  # rounds ran after the restart
-    assert f"resuming from {run_dir}: round {next_round}" in (result / "workspace" / "log.txt").read_text()
-    assert f"[site-1] resumed its state of round {next_round - 1}" in site_log(fed, "site-1", job_id)
-    assert (f"[site-2] no saved state of this run before round {next_round}" in site_log(fed, "site-2", job_id)
+    e, job_id, _, recs = leg(c)
+    assert recs == [3]
+    assert ("[site-2] no saved state of this run before round 3" in site_log(fed, "site-2", job_id)
             and "joins from the global model" in site_log(fed, "site-2", job_id))
-    last = json.loads((result / "workspace" / "metrics.jsonl").read_text().splitlines()[-1])
+    last = json.loads((e / "metrics.jsonl").read_text().splitlines()[-1])
     assert sorted(last["sites"]) == list(SITES)  # both trained the last round
 
 

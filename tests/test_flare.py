@@ -576,16 +576,24 @@ def test_exclude_filter_removes_exactly_the_batch_norm_keys_from_a_result_and_th
     (args,) = [f[2] for f in _result_filters(_client_config("fedbn_cxr")) if f[1] == "ExcludeVars"]
     ctx = FLContext()
     ctx.set_prop(FLContextKey.TASK_NAME, "train", private=True, sticky=False)
-    for reply in (FLModel(params=dict(state), metrics={"train_loss": 0.5}, meta={"n": 8}),  # train
+    ctx.set_prop(ReservedKey.IDENTITY_NAME, "site-9", private=False, sticky=False)
+    monkeypatch.setenv("FEDLABELS_SENT", str(tmp_path))
+    with pytest.raises(ValueError, match="stage 'hospital'"):
+        SentRecord(stage="hospital")
+    for reply in (FLModel(params=dict(state), metrics={"train_loss": 0.5}, meta={"n": 8}, current_round=3),  # train
                   FLModel(params=dict(state))):  # submit_model: the whole state dict
-        out = ExcludeVars(**args).process(FLModelUtils.to_shareable(reply), ctx)
+        # nvflare runs the site's scope filters (its privacy.json: its own record) before the job's
+        shared = FLModelUtils.to_shareable(reply)
+        assert SentRecord(stage="site").process(shared, ctx) is shared
+        out = ExcludeVars(**args).process(shared, ctx)
         dxo = from_shareable(out)
         assert set(dxo.data) == set(state) - bn and bn  # exactly the batch norm is gone
         for k, v in dxo.data.items():
             assert v is state[k]  # the rest untouched
     assert dxo.get_filter_history() == ["ExcludeVars"]
-    monkeypatch.setenv("FEDLABELS_SENT", str(tmp_path))
-    ctx.set_prop(ReservedKey.IDENTITY_NAME, "site-9", private=False, sticky=False)
+    site_record = [json.loads(line) for line in (tmp_path / "site-9.site.jsonl").read_text().splitlines()]
+    assert [set(e["weights"]) for e in site_record] == [set(state)] * 2  # before the job's ExcludeVars
+    assert [e["round"] for e in site_record] == [3, None]  # the round the reply carries
     assert SentRecord().process(out, ctx) is out
     (line,) = (tmp_path / f"{ctx.get_identity_name()}.jsonl").read_text().splitlines()
     entry = json.loads(line)

@@ -224,6 +224,10 @@ def make_plan(args) -> Plan:
     outside = [r for r in eval_rounds if not 1 <= r <= args.rounds]
     if outside:
         raise ValueError(f"--eval-rounds: {outside} outside 1..{args.rounds} (--rounds)")
+    if eval_rounds[-1] != args.rounds:  # rounds after the last scored one would train and never be scored
+        raise ValueError(f"--eval-rounds: the last scored round {eval_rounds[-1]} is not --rounds {args.rounds} "
+                         f"(the run's last round, whose model is also a best-model candidate); give --rounds "
+                         f"{eval_rounds[-1]} or add {args.rounds}")
     if args.engine == "flare" and eval_rounds != [args.rounds]:
         raise ValueError(f"--engine flare scores the final round only: drop --eval-rounds or give "
                          f"--eval-rounds {args.rounds} (use --engine inprocess for earlier rounds)")

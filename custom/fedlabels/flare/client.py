@@ -280,7 +280,8 @@ class SiteSession:
                      " abstained" if update.abstain else
                      f" train_loss={update.metrics.get('train_loss', float('nan')):.4f}")
                      + f" received model: {scores} ({time.time() - t0:.1f}s)")
-            return FLModel(params=on_the_wire(weights, cfg.transfer), metrics=metrics, meta=out)
+            # the round travels with the reply too: the site's own audit record (sent.py) reads it there
+            return FLModel(params=on_the_wire(weights, cfg.transfer), metrics=metrics, meta=out, current_round=rnd)
         if task == "validate":
             result = validate_task(client, setup, model.params)
             return FLModel(metrics=flat_metrics(result) or {"val_cases": 0.0},

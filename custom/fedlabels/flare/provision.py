@@ -14,7 +14,9 @@ so that the site refuses every job that carries custom code, whoever submits
 it. Production jobs carry configuration only (``fedlabels.flare.job.build_job``
 with ``installed``): they name classes of the installed packages, and every
 kit's ``local/resources.json`` adds exactly those (``ALLOWED``) to nvflare's
-class allow list, which a site enforces on every job without custom code. The root CA's private key (``state/cert.json``) is readable by its owner
+class allow list, which a site enforces on every job without custom code. Every hospital kit's
+``local/privacy.json`` (``SITE_POLICY``) runs the site's own audit record on every job's replies,
+whatever the job's configuration says (``fedlabels.flare.sent``). The root CA's private key (``state/cert.json``) is readable by its owner
 only, and the provisioning folder gets a ``.gitignore`` so that no kit or key
 is committed by accident. Deployment guide: ``docs/deployment.md``.
 """
@@ -166,6 +168,20 @@ def allow_fedlabels(kit: Path) -> Path:
     return path
 
 
+# A hospital's own privacy policy (nvflare's local/privacy.json): one scope, the default, so that every job
+# runs its filters whatever the job's configuration says (a job naming any other scope is refused at deployment).
+SITE_SCOPE = "fedlabels"
+SITE_POLICY = {"scopes": [{"name": SITE_SCOPE, "task_result_filters": [
+    {"path": "fedlabels.flare.sent.SentRecord", "args": {"stage": "site"}}]}], "default_scope": SITE_SCOPE}
+
+
+def site_policy(kit: Path) -> Path:
+    """The hospital kit's ``local/privacy.json``: its audit record of every reply (``SentRecord(stage="site")``)."""
+    path = Path(kit) / "local" / "privacy.json"
+    write_atomic(path, json.dumps(SITE_POLICY, indent=2).encode())
+    return path
+
+
 def protect(out: Path, name: str) -> None:
     """The root CA's private key readable by its owner only; a .gitignore over the whole provisioning folder."""
     state = out / name / "state"
@@ -202,6 +218,8 @@ def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int
     for p in spec["participants"]:
         if p["type"] in ("server", "client"):
             allow_fedlabels(kits[p["name"]])
+        if p["type"] == "client":
+            site_policy(kits[p["name"]])
     for site in no_byoc:
         local = kits[site] / "local"
         default = json.loads((local / "authorization.json.default").read_text())

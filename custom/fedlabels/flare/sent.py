@@ -1,13 +1,20 @@
-"""A site's audit record of what it sends: an nvflare task-result filter, the last of the chain.
+"""A site's audit record of what it sends: an nvflare task-result filter.
 
-Every reply is recorded as it leaves the site, after every filter before it
-(the site's own privacy filters, then the job's: FedBN's ``ExcludeVars``,
-half-precision ``ModelQuantizer``), so the record shows what the server
-receives, not what the client script handed to nvflare. One JSON line per
-reply in ``FEDLABELS_SENT`` (default ``./fedlabels_sent``) ``/<site>.jsonl``:
-task, round, the server's run token, every weight's shape and dtype (never
-values), the metadata and metric fields with their values, and the bytes of
-the arrays. The filter changes nothing.
+Two places record. The job's own ``SentRecord``, last of the job's result
+filters, sees each reply as it leaves, after every filter before it (the
+site's own privacy filters, then the job's: FedBN's ``ExcludeVars``,
+half-precision ``ModelQuantizer``), so its record shows what the server
+receives: ``FEDLABELS_SENT`` (default ``./fedlabels_sent``) ``/<site>.jsonl``.
+The site's own ``SentRecord(stage="site")``, in the privacy scope that
+``fedlabels provision`` writes into every hospital kit (``local/privacy.json``),
+records every job's replies whatever the job's configuration says, to
+``<site>.site.jsonl``. nvflare runs a site's scope filters before the job's,
+so this record shows a reply before the job's filters; the filters a
+production job may name (the kit's class allow list) only drop weights or
+lower their precision, so every weight that leaves is in it. One JSON line
+per reply: task, round, the server's run token (job stage only), every
+weight's shape and dtype (never values), the metadata and metric fields with
+their values, and the bytes of the arrays. The filter changes nothing.
 """
 
 from __future__ import annotations
@@ -72,11 +79,22 @@ def entry(task: str, shareable: Shareable, rnd=None, run=None) -> dict:
     return out
 
 
+STAGES = {"job": ".jsonl", "site": ".site.jsonl"}
+
+
 class SentRecord(Filter):
     """Appends each reply to the site's audit record and passes it on unchanged."""
 
-    def __init__(self):
+    def __init__(self, stage: str = "job"):
+        """
+        Args:
+            stage: "job" (a job's filter: ``<site>.jsonl``) or "site" (the site's privacy scope:
+                ``<site>.site.jsonl``; nvflare sends a scope's filters no events, so the round is the reply's own).
+        """
         super().__init__()
+        if stage not in STAGES:
+            raise ValueError(f"SentRecord stage {stage!r}: one of {sorted(STAGES)}")
+        self.stage = stage
         self._task = {}
 
     def handle_event(self, event_type: str, fl_ctx: FLContext):
@@ -94,8 +112,9 @@ class SentRecord(Filter):
 
     def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
         site = fl_ctx.get_identity_name()
-        path = Path(os.environ.get("FEDLABELS_SENT", "fedlabels_sent")) / f"{site}.jsonl"
-        line = entry(fl_ctx.get_prop(FLContextKey.TASK_NAME), shareable, **self._task)
+        path = Path(os.environ.get("FEDLABELS_SENT", "fedlabels_sent")) / f"{site}{STAGES[self.stage]}"
+        task = self._task or {"rnd": shareable.get_header(AppConstants.CURRENT_ROUND)}
+        line = entry(fl_ctx.get_prop(FLContextKey.TASK_NAME), shareable, **task)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as fh:
             fh.write(json.dumps(line) + "\n")
