@@ -260,6 +260,72 @@ def table(args) -> str:
     return "\n".join(lines)
 
 
+# IsoFed's pretraining readings (fedlabels.methods.semisup.SemiSupClient: pretrain_target, pretrain_sites,
+# pretrain_lr, pretrain_epochs), each a `fedlabels bench` run of its own under ablations/ (ablations/run.sh)
+# on the same prepared splits as the table; the option each reading changes is read from its cells.
+PRETRAIN_DEFAULTS = {"pretrain_target": "both", "pretrain_sites": "unlabeled", "pretrain_lr": "the client's lr",
+                     "pretrain_epochs": 1}
+
+
+def ablation_table(out: Path) -> str | None:
+    """ablations/TABLE.md: one row per reading, accuracy at each scored round, AUROC and classes at the last."""
+    rows = []
+    for cell_dir in sorted((out / "ablations").glob("*/cells")):
+        run = cell_dir.parent.name
+        by_method = {}
+        for path in sorted(cell_dir.glob("*.json")):
+            cell = json.loads(path.read_text())
+            method, client = cell["config"]["method"], cell["config"]["client_options"]
+            changed = {k: v for k, v in client.items() if k.startswith("pretrain_")}
+            label = LABELS.get(method, method) + (" (" + ", ".join(f"{k}={v}" for k, v in changed.items()) + ")"
+                                                  if changed else "")
+            if method.startswith("local:"):  # the site alone: with its share of the split's training cases
+                data = Path(cell["config"]["data"])
+                counts = {d.parent.name: len(json.loads(d.read_text())["training"]) for d in data.glob("site-*/datalist.json")}
+                shares = by_method.setdefault(("share", method), [])
+                shares.append(100 * counts[method.split(":", 1)[1]] / sum(counts.values()))
+            vals = by_method.setdefault((method.startswith("local:"), label), {})
+            for r in cell["rows"]:
+                if r["model"] == "last" and r["group"] == "pooled" and r["value"] is not None:
+                    if r["class"] == "mean" and r["metric"] in ("accuracy", "auroc"):
+                        vals.setdefault((r["metric"], int(r["round"])), []).append(float(r["value"]))
+                    elif r["metric"] == "recall" and r["class"] != "mean":
+                        key = ("recalled", int(r["round"]), cell["config"]["seed"])
+                        vals[key] = vals.get(key, 0) + (float(r["value"]) > 0)
+        for (floor, label), vals in by_method.items():
+            if floor == "share" or floor and any(r[1].startswith(label) for r in rows):
+                continue  # the floor is the same in every reading's run: listed once
+            if floor:
+                label += f" alone ({np.mean(by_method[('share', label)]):.0f} % of the training cases, mean over the splits)"
+            rows.append((run, label, vals))
+    if not rows:
+        return None
+    rows.sort(key=lambda r: (r[1].startswith("local:"), r[1] != "IsoFed", r[1] != "IsoFed w/o PT", r[1]))
+    scored = sorted({k[1] for _, _, v in rows for k in v if k[0] == "accuracy"})
+    last = scored[-1]
+
+    def cell(v):
+        return f"{100 * np.mean(v):.1f} ± {100 * np.std(v, ddof=1):.1f}" if len(v) > 1 else f"{100 * v[0]:.1f}"
+
+    lines = ["# IsoFed's pretraining readings, each an ablation row", "",
+             "Written by `benchmarks/isofed_tables.py --table-only` from the cells under `ablations/` "
+             "(`ablations/run.sh`: one `fedlabels bench` run per reading). PneumoniaMNIST, gamma 0.8, L:U = 1:3 "
+             "(site-1 labeled, three unlabeled sites), the `isofed` preset, 20 rounds x 1 local epoch, the three "
+             "prepared splits of the main table (`data/pneumoniamnist-g0.8-l1-s{0,1,2}`), one torch thread on a "
+             "2-core CPU. Each reading differs from the `IsoFed` row in the one option named; the defaults are "
+             + ", ".join(f"{k} = {v}" for k, v in PRETRAIN_DEFAULTS.items())
+             + " (`fedlabels.methods.semisup`). Last model, pooled official test split (624 cases), mean ± sd over "
+             "the splits; `recalls`: per split, the classes with recall above 0 (1 = one class predicted).", "",
+             "| row | " + " | ".join(f"accuracy, round {r}" for r in scored) + f" | AUROC, round {last} | recalls | per split (accuracy, round {last}) |",
+             "|---|" + "---|" * (len(scored) + 3)]
+    for run, label, vals in rows:
+        recalled = [int(v) for k, v in sorted(vals.items()) if k[0] == "recalled" and k[1] == last]
+        lines.append(f"| {label} | " + " | ".join(cell(vals[("accuracy", r)]) for r in scored)
+                     + f" | {cell(vals[('auroc', last)])} | {','.join(map(str, recalled))} | "
+                     + ", ".join(f"{100 * v:.1f}" for v in vals[("accuracy", last)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--src", type=Path, default=Path("../shared/data/medmnist"))
@@ -299,6 +365,11 @@ def main(argv=None):
     tmp = args.out / "TABLE.md.tmp"  # a reader never sees half a table
     tmp.write_text(text)
     tmp.replace(args.out / "TABLE.md")
+    readings = ablation_table(args.out)
+    if readings:
+        tmp = args.out / "ablations" / "TABLE.md.tmp"
+        tmp.write_text(readings)
+        tmp.replace(args.out / "ablations" / "TABLE.md")
     print(text)
 
 

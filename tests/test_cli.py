@@ -441,6 +441,26 @@ def test_a_count_of_zero_is_an_error_not_the_default(argv, option, tmp_path, cap
     assert not (tmp_path / "out").exists()
 
 
+def test_a_job_with_fewer_sites_than_its_method_needs_is_refused_before_it_runs(tmp_path, capsys):
+    """RSCFed draws subsets of subset_size (3) distinct sites: with 2 the server stopped the job at its
+    handshake, after the deployment had started (found running every shipped job in POC mode). Both
+    entry points refuse it before anything is written; 3 sites, or a smaller subset_size, pass."""
+    import dataclasses
+
+    from fedlabels.flare.job import JOBS, check_sites
+
+    code = cli.main(["simulate", "rscfed_medmnist", "-n", "2", "-w", str(tmp_path / "sim")])
+    err = capsys.readouterr().err
+    assert code != 0 and "rscfed_medmnist (rscfed, server options its defaults) needs at least 3 sites, not 2" in err
+    assert len(err.strip().splitlines()) == 1
+    out = subprocess.run([sys.executable, str(REPO / "nvflare_jobs" / "rscfed_medmnist" / "job.py"), "--out",
+                          str(tmp_path / "job"), "-n", "2"], capture_output=True, text=True)
+    assert out.returncode == 2 and "error: -n 2: rscfed_medmnist" in out.stderr and "needs at least 3" in out.stderr
+    assert not (tmp_path / "sim").exists() and not (tmp_path / "job").exists()
+    check_sites(dataclasses.replace(JOBS["rscfed_medmnist"], sites=3))
+    check_sites(dataclasses.replace(JOBS["rscfed_medmnist"], sites=2, server={"subset_size": 2}))
+
+
 def test_report_scores_the_network_the_run_trained(tmp_path, capsys):
     """A run of the ResNet-18 bundle (a quarter as wide, 32 px): `report` without --bundle builds that
     network from the run's fedlabels.json; it used to build DenseNet121, which cannot take the weights."""

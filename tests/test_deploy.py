@@ -97,13 +97,13 @@ def fed(tmp_path_factory):
         assert not left, f"processes left behind: {left}"
 
 
-def submit(fed, *args, wait=True, faults=()):
-    """The committed job through its job.py; with ``faults``, the same job (fedlabels.flare.job.run_cli,
-    what job.py calls) with these fault drills in its configuration."""
+def submit(fed, *args, wait=True, faults=(), name="fedavg_cxr"):
+    """The committed job through its job.py; with ``faults`` or another job ``name``, that job through
+    fedlabels.flare.job.run_cli (what job.py calls), with these fault drills in its configuration."""
     argv = ["--prod", str(fed["admin"]), "-n", "2", *args]
-    if faults:
+    if faults or name != "fedavg_cxr":
         code = ("import dataclasses, sys; from fedlabels.flare.job import JOBS, run_cli; "
-                f"run_cli(dataclasses.replace(JOBS['fedavg_cxr'], faults={list(faults)!r}), sys.argv[1:])")
+                f"run_cli(dataclasses.replace(JOBS[{name!r}], faults={list(faults)!r}), sys.argv[1:])")
         cmd = [sys.executable, "-c", code, *argv]
     else:
         cmd = [sys.executable, str(JOB), *argv]
@@ -365,21 +365,28 @@ def test_a_site_whose_certificate_another_ca_signed_is_refused(fed):
 
 def test_hostile_replies_and_a_stalled_hospital_are_dropped_and_the_job_finishes(fed):
     """site-2 sends what a broken or hostile site could (a case count that is no number, one far above
-    what it declared at the handshake, weights of another dtype) and, in round 1, answers only after
-    the server's site_timeout: each is dropped with its reason in metrics.jsonl, and every round goes
-    on with site-1."""
-    job_id, status, result = submit(fed, "--rounds", "4", "--min-sites", "1", "--site-timeout", "15",
-                                    faults=["site-2:n_text:0", "site-2:stall:1", "site-2:dtype:2", "site-2:n_huge:3"])
+    what it declared at the handshake, weights of another dtype, extras that are no mapping, an infinite
+    validation score) and, in round 1, answers only after the server's site_timeout: each update is
+    dropped with its reason in metrics.jsonl, the infinite score is not scored, and every round goes on
+    (tests/test_flare.py drills the other kinds in the simulator)."""
+    job_id, status, result = submit(fed, "--rounds", "6", "--min-sites", "1", "--site-timeout", "15",
+                                    faults=["site-2:n_text:0", "site-2:stall:1", "site-2:dtype:2", "site-2:n_huge:3",
+                                            "site-2:extras:4", "site-2:metric:5"])
     assert status == "FINISHED:COMPLETED"
     recs = [json.loads(line) for line in (result / "workspace" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in recs] == [0, 1, 2, 3] and all(r["aggregated"] for r in recs)
-    assert [sorted(r["dropped"]) for r in recs] == [["site-2"]] * 4
-    reasons = [r["dropped"]["site-2"] for r in recs]
+    assert [r["round"] for r in recs] == [0, 1, 2, 3, 4, 5] and all(r["aggregated"] for r in recs)
+    assert [sorted(r["dropped"]) for r in recs] == [["site-2"]] * 5 + [[]]
+    reasons = [r["dropped"]["site-2"] for r in recs[:5]]
     assert "case count 'many' is not a positive integer" in reasons[0]
     assert "no result" in reasons[1]  # stalled past the timeout
     assert "dtype of" in reasons[2] and "float64" in reasons[2]
     assert "exceeds the" in reasons[3]
-    assert "did not answer within 15s (site_timeout)" in (result / "workspace" / "log.txt").read_text()
+    assert "extras are a list" in reasons[4]
+    assert sorted(recs[5]["sites"]) == list(SITES)  # site-2's update counts; its score does not
+    assert "site-2" not in recs[5]["scored_by"] and "site-2" in recs[4]["scored_by"], recs
+    log = (result / "workspace" / "log.txt").read_text()
+    assert "did not answer within 15s (site_timeout)" in log
+    assert re.search(r"round 5 site-2: val_\w+=inf is not finite: not scored", log), log[-3000:]
 
 
 def test_a_killed_hospital_is_left_out_and_the_job_finishes(fed):
@@ -404,20 +411,23 @@ def test_a_killed_hospital_is_left_out_and_the_job_finishes(fed):
 
 
 def test_a_server_killed_at_any_point_resumes_to_the_uninterrupted_model(fed):
-    """fedavg_cxr for 4 rounds (each site keeps its Adam moments from round to round), the server stopped
-    three times and the job resumed each time from the folder the stopped server left: the whole server
-    killed (SIGKILL) wherever it is once round 0 is aggregated, then restarted; the fault drill once the
-    sites have answered round 2 (they hold their round-2 state, the server wrote nothing of the round);
-    and once round 2's checkpoint is written but not its model file. The last leg's global model equals 4
-    uninterrupted rounds of the in-process engine, the engine the FLARE controller runs (FLARE = in-process
-    is tested in tests/test_flare.py). Then site-2 loses its saved state and the last round is resumed
-    again: it joins from the global model."""
+    """fedbn_cxr for 4 rounds (each hospital keeps its own batch norm and its Adam moments from round to
+    round), the server stopped four times and the job resumed each time from the folder the stopped
+    server left: the whole server killed (SIGKILL) wherever it is once round 0 is aggregated, then
+    restarted; then the fault drill once the hospitals have answered round 2 (they hold their round-2
+    state, the server wrote nothing of the round); after round 3's metrics but before its checkpoint;
+    and after round 3's checkpoint and progress.json but before its model file (the job resumed from there
+    has no round left: it writes the checkpoint's model). That global model equals 4 uninterrupted rounds
+    of the in-process engine, the engine the FLARE controller runs
+    (FLARE = in-process: tests/test_flare.py). Then site-2 loses its saved state and the last round is
+    resumed again: it joins from the global model."""
+    from fedlabels.checkpoint import read_checkpoint
     from fedlabels.flare.job import JOBS
     from fedlabels.references import federate, setups
 
     server_kit = fed["kits"]["localhost"]
     t0 = time.time()
-    proc = submit(fed, "--rounds", "4", wait=False)
+    proc = submit(fed, "--rounds", "4", wait=False, name="fedbn_cxr")
     try:
         progress = wait_for_round(server_kit, 1, t0, proc)
         fed["server"].stop()
@@ -431,7 +441,8 @@ def test_a_server_killed_at_any_point_resumes_to_the_uninterrupted_model(fed):
     wait_for_sites(fed["admin"], SITES)
 
     def leg(resume_from, *faults):
-        job_id, status, result = submit(fed, "--rounds", "4", "--resume-from", str(resume_from), faults=faults)
+        job_id, status, result = submit(fed, "--rounds", "4", "--resume-from", str(resume_from), faults=faults,
+                                        name="fedbn_cxr")
         assert status == "FINISHED:COMPLETED", status
         log = (result / "workspace" / "log.txt").read_text()
         assert f"resuming from {resume_from}: round " in log
@@ -440,26 +451,38 @@ def test_a_server_killed_at_any_point_resumes_to_the_uninterrupted_model(fed):
         # nvflare archives a finished job's run folder into its job store: resumed from the admin's download
         return result / "workspace", job_id, log, recs
 
+    def states(site):
+        (folder,) = fed["kits"][site].rglob(f"fedlabels_state/{run}/{site}")
+        return sorted(p.name for p in folder.iterdir())
+
     b, job_id, log, recs = leg(first, "server:mid_round:2")
     assert "fault drill: the server dies at mid_round of round 2" in log
     assert recs == list(range(next_round, 2)), recs  # round 2 answered by the sites, never logged
-    assert json.loads((b / "progress.json").read_text())["next_round"] == 2
-    c, job_id, log, recs = leg(b, "server:before_model:2")
+    assert read_checkpoint(b, "fedbn", 4)["next_round"] == 2
+    assert states("site-1") == ["round-00001.pt", "round-00002.pt"]  # its last two rounds
+    c, job_id, log, recs = leg(b, "server:before_checkpoint:3")
     for site in SITES:  # they had trained round 2 for the stopped server: they resume the state before it
         assert f"[{site}] resumed its state of round 1" in site_log(fed, site, job_id)
-    assert recs == [2] and json.loads((c / "progress.json").read_text())["next_round"] == 3
-    d, job_id, log, recs = leg(c)
-    assert recs == [3] and f"(run {run})" in log
+    assert recs == [2, 3]  # round 3 logged, never checkpointed
+    saved = read_checkpoint(c, "fedbn", 4)
+    assert saved["next_round"] == 3 and json.loads((c / "progress.json").read_text())["next_round"] == 3
+    on_disk = torch.load(c / "app_server" / "FL_global_model.pt", weights_only=False)["model"]
+    for k, v in on_disk.items():  # the model file is the checkpoint's (round 2's), never round 3's
+        np.testing.assert_array_equal(np.asarray(v), saved["weights"][k], err_msg=k)
+    d, job_id, log, recs = leg(c, "server:before_model:3")
     for site in SITES:
         assert f"[{site}] resumed its state of round 2" in site_log(fed, site, job_id)
-    resumed = torch.load(d / "app_server" / "FL_global_model.pt", weights_only=False)["model"]
+    assert recs == [3] and read_checkpoint(d, "fedbn", 4)["next_round"] == 4  # checkpointed, its model file not
+    e, job_id, log, recs = leg(d)
+    assert recs == [] and f"(run {run})" in log  # nothing left to train: the checkpoint's model, validated
+    resumed = torch.load(e / "app_server" / "FL_global_model.pt", weights_only=False)["model"]
 
-    spec = dataclasses.replace(JOBS["fedavg_cxr"], sites=2, rounds=4)
+    spec = dataclasses.replace(JOBS["fedbn_cxr"], sites=2, rounds=4)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each hospital (OMP_NUM_THREADS=1): the same order of sums
     try:
-        straight = federate("fedavg", setups(REPO / "bundles" / spec.bundle, fed["full"], seed=spec.seed,
-                                             config=spec.config().bundle_config() or None),
+        straight = federate("fedbn", setups(REPO / "bundles" / spec.bundle, fed["full"], seed=spec.seed,
+                                            config=spec.config().bundle_config() or None),
                             4, seed=spec.seed, client_options=spec.client, log=None)["last"]
     finally:
         torch.set_num_threads(threads)
@@ -468,15 +491,13 @@ def test_a_server_killed_at_any_point_resumes_to_the_uninterrupted_model(fed):
         np.testing.assert_allclose(np.asarray(resumed[k]), straight[k], rtol=0, atol=1e-5, err_msg=k)
 
     # site-2 lost its saved state (a replaced machine, or a site new to the run): it joins from the global model
-    lost = list(fed["kits"]["site-2"].rglob(f"fedlabels_state/{run}/site-2"))
-    assert lost, "site-2 saved no state under its kit"
-    for folder in lost:
+    for folder in fed["kits"]["site-2"].rglob(f"fedlabels_state/{run}/site-2"):
         shutil.rmtree(folder)
-    e, job_id, _, recs = leg(c)
+    f, job_id, _, recs = leg(c)
     assert recs == [3]
     assert ("[site-2] no saved state of this run before round 3" in site_log(fed, "site-2", job_id)
             and "joins from the global model" in site_log(fed, "site-2", job_id))
-    last = json.loads((e / "metrics.jsonl").read_text().splitlines()[-1])
+    last = json.loads((f / "metrics.jsonl").read_text().splitlines()[-1])
     assert sorted(last["sites"]) == list(SITES)  # both trained the last round
 
 

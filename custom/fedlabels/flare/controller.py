@@ -291,6 +291,7 @@ class FedLabelsController(BaseFedAvg):
             model.params, start = self._resume(engine, cfg.method)
             self._resume_sites = set(summaries)
             self._save_state(engine, start, cfg.method, model.params)  # this folder can be resumed in turn
+            self.save_model(model)  # the checkpoint's model, also when no round is left to run
         else:
             model.params = self._seeded_init(model.params, cfg.seed)
         self.info(f"method {cfg.method} client {cfg.client} server {cfg.server}; rounds {start}..{self.num_rounds - 1}; "

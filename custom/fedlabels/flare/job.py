@@ -135,6 +135,14 @@ FEDMIX_JOBS = [
 JOBS = {spec.name: spec for spec in CXR_JOBS + OTHER_TASK_JOBS + SEMISUP_JOBS + FEDMLP_JOBS + FEDMIX_JOBS}
 
 
+def check_sites(spec: JobSpec) -> None:
+    """Refuses a job with fewer sites than its server rule needs (RSCFed: ``subset_size``), before anything runs."""
+    needed = methods.get(spec.method).make_server(**spec.server).sites_needed
+    if spec.sites < needed:
+        raise ValueError(f"{spec.name} ({spec.method}, server options {spec.server or 'its defaults'}) needs at least "
+                         f"{needed} sites, not {spec.sites}")
+
+
 def build_job(spec: JobSpec, workdir, installed: bool = False) -> FedJob:
     """The job; its ``fedlabels.json`` is written into ``workdir``, which must outlive the export.
 
@@ -294,6 +302,10 @@ def run_cli(spec: JobSpec, argv=None) -> None:
         p.error(f"--site-timeout {args.site_timeout}: must be >= 1 (seconds)")
     spec = dataclasses.replace(spec, sites=args.sites, rounds=args.rounds, transfer=args.transfer,
                                min_sites=args.min_sites, resume_from=args.resume_from, site_timeout=args.site_timeout)
+    try:
+        check_sites(spec)
+    except ValueError as e:
+        p.error(f"-n {args.sites}: {e}")
     if args.config_only and not args.out:
         p.error("--config-only goes with --out (--prod always submits the production form)")
     if args.out:

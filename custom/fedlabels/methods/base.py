@@ -370,8 +370,12 @@ class ServerRule:
     Hooks with defaults: ``setup`` (the sites' label summaries, before round
     0), ``plan`` (one step: every site from the global model), ``extras``
     (nothing), ``combine`` (parallel groups: unweighted mean), and
-    ``state_dict`` / ``load_state_dict`` (no state).
+    ``state_dict`` / ``load_state_dict`` (no state). ``sites_needed``: the
+    fewest sites the rule can run on with its options (a job with fewer is
+    refused before it is submitted).
     """
+
+    sites_needed = 1
 
     def setup(self, summaries: dict) -> list:
         """Every site's label summary (``profile.label_summary``), keyed by site, before round 0.
