@@ -1,6 +1,7 @@
-# Entry points: `make demo` (the main job on the embedded data), `make test` (the whole
+# Entry points: `make demo` (the main job on the embedded data), `make test` (the
 # test suite, what .ci/run calls) and `make test-fast` (units, reference loops and the
-# static job checks: no simulator, deployment or claim runs). All create .venv on first use.
+# static job checks: no simulator, deployment or claim runs); `make test-poc-jobs` runs every shipped
+# job in nvflare's POC mode (about 10 minutes, before a release). All create .venv on first use.
 # `make docs` builds the documentation site (mkdocs.yml) with --strict, so a broken link,
 # a missing page or an API reference that no longer imports fails; .ci/run calls it too.
 # The test targets print the 15 slowest tests and write JUnit XML reports of every test's
@@ -12,9 +13,9 @@ BIN    := $(VENV)/bin
 # GPU users: see README "Choosing a torch build".
 CONSTRAINTS ?= constraints.txt
 REPORTS ?= test-reports
-FAST    := not simulator and not deploy and not claims
+FAST    := not simulator and not deploy and not claims and not poc_jobs
 
-.PHONY: venv demo test test-fast docs jobs clean
+.PHONY: venv demo test test-fast test-poc-jobs docs jobs clean
 
 $(BIN)/fedlabels: setup.cfg $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,14 +39,19 @@ demo: venv
 # process beside the rest of the suite; its output follows the suite's, and either failing fails the target.
 test: venv
 	@mkdir -p $(REPORTS)
-	@$(BIN)/python -m pytest -q -m deploy --durations=15 --junitxml=$(REPORTS)/junit-deploy.xml tests \
+	@$(BIN)/python -m pytest -q -m "deploy and not poc_jobs" --durations=15 --junitxml=$(REPORTS)/junit-deploy.xml tests \
 	    > $(REPORTS)/deploy.log 2>&1 & deploy=$$!; \
-	$(BIN)/python -m pytest -q -m "not deploy" --durations=15 --junitxml=$(REPORTS)/junit.xml tests; rest=$$?; \
+	$(BIN)/python -m pytest -q -m "not deploy and not poc_jobs" --durations=15 --junitxml=$(REPORTS)/junit.xml tests; rest=$$?; \
 	wait $$deploy; lane=$$?; echo "---- deployment lane (-m deploy) ----"; cat $(REPORTS)/deploy.log; \
 	test $$rest -eq 0 -a $$lane -eq 0
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "$(FAST)" --durations=15 --junitxml=$(REPORTS)/junit-fast.xml tests
+
+# Every shipped job in nvflare's POC mode with the production defaults (tests/test_poc_jobs.py): about
+# 15 minutes on 2 cores, beside `make test` rather than in it; run before a release.
+test-poc-jobs: venv
+	$(BIN)/python -m pytest -q -m poc_jobs --durations=5 tests
 
 docs: $(BIN)/mkdocs
 	$(BIN)/python benchmarks/render_pages.py --check
