@@ -49,7 +49,7 @@ test-fast: venv
 	$(BIN)/python -m pytest -q -m "$(FAST)" --durations=15 --junitxml=$(REPORTS)/junit-fast.xml tests
 
 # Every shipped job in nvflare's POC mode with the production defaults (tests/test_poc_jobs.py): about
-# 15 minutes on 2 cores, beside `make test` rather than in it; run before a release.
+# 10 minutes on 2 cores, beside `make test` rather than in it; run before a release.
 test-poc-jobs: venv
 	$(BIN)/python -m pytest -q -m poc_jobs --durations=5 tests
 

@@ -11,7 +11,7 @@ generates itself (``FEDLABELS_DATA=embedded``), small.
 
 The simulator runs of every job in the main suite check what each method
 computes; this checks that each one deploys and finishes in a real deployment.
-About 15 minutes on 2 cores, so it is its own target beside ``make test``,
+About 10 minutes on 2 cores, so it is its own target beside ``make test``,
 run before a release (docs/testing.md).
 """
 
