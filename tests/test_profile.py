@@ -158,6 +158,30 @@ def test_label_summary_counts(pristine):
     assert summ["labeled_mask"] == [False, False, False, True, True, True]
 
 
+def test_every_real_summary_passes_the_servers_screen_and_each_hostile_one_is_named(pristine):
+    from fedlabels.profile import check_summary
+
+    for family, root in pristine.items():  # every site of every embedded family, labeled or not
+        for name, site in load_scenario(root).sites.items():
+            assert check_summary(site.summary()) is None, (family, name)
+    good = load_scenario(pristine["cxr"]).site("site-4").summary()
+    cases = good["cases"]
+    for change, reason in [
+        ("not a dict", "a str, not a mapping"),
+        ({"task": "detection"}, "field 'task': 'detection'"),
+        ({"cases": "many"}, "field 'cases': 'many' is not a count"),
+        ({"cases": True}, "field 'cases': True is not a count"),
+        ({"labeled": 1}, "field 'labeled': 1 is not true or false"),
+        ({"annotated": "all"}, "field 'annotated': 'all' is not a list"),
+        ({"positives": good["positives"][:-1]}, "lengths [6, 5, 6] differ"),
+        ({"labeled_mask": [1] * 6}, "field 'labeled_mask': not all true or false"),
+        ({"annotated": [cases + 1] * 6}, f"field 'annotated': not all counts between 0 and the site's {cases} cases"),
+        ({"annotated": [0] * 6}, "more positives than annotated"),
+    ]:
+        hostile = change if isinstance(change, str) else {**good, **change}
+        assert reason in (check_summary(hostile) or ""), (change, check_summary(hostile))
+
+
 def test_interrupted_write_leaves_previous_scenario(pristine, tmp_path):
     root = tmp_path / "s"
     shutil.copytree(pristine["cxr"], root)

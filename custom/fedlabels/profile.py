@@ -152,6 +152,37 @@ def label_summary(profile: SiteProfile, items: list) -> dict:
     }
 
 
+def check_summary(summary) -> str | None:
+    """Why a label summary a site sent cannot be used (its fields as ``label_summary`` writes them, the
+    counts possibly noised but always whole and consistent), or None. The server reads nothing else
+    from a site before round 0, so it screens this before any method sees it."""
+    def count(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not isinstance(summary, dict):
+        return f"a {type(summary).__name__}, not a mapping"
+    if summary.get("task") not in TASKS:
+        return f"field 'task': {summary.get('task')!r}, not one of {list(TASKS)}"
+    if not count(summary.get("cases")):
+        return f"field 'cases': {summary.get('cases')!r} is not a count"
+    if not isinstance(summary.get("labeled"), bool):
+        return f"field 'labeled': {summary.get('labeled')!r} is not true or false"
+    fields = {k: summary.get(k) for k in ("annotated", "positives", "labeled_mask")}
+    for k, v in fields.items():
+        if not isinstance(v, list) or not v:
+            return f"field {k!r}: {v!r} is not a list of one value per class"
+    if len({len(v) for v in fields.values()}) > 1:
+        return f"fields 'annotated', 'positives', 'labeled_mask': lengths {[len(v) for v in fields.values()]} differ"
+    if not all(isinstance(b, bool) for b in fields["labeled_mask"]):
+        return "field 'labeled_mask': not all true or false"
+    for k in ("annotated", "positives"):
+        if not all(count(n) and n <= summary["cases"] for n in fields[k]):
+            return f"field {k!r}: not all counts between 0 and the site's {summary['cases']} cases"
+    if any(p > a for p, a in zip(fields["positives"], fields["annotated"])):
+        return "field 'positives': more positives than annotated cases in a class"
+    return None
+
+
 # ---------------------------------------------------------------- reading
 
 

@@ -41,7 +41,7 @@ from ..config import DEFAULT_SITE_TIMEOUT, FILE, RunConfig
 from ..engine import NoProgress, RoundEngine, clean_metrics
 from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, REASON, RESUME, Update
 from ..privacy import server_lines
-from ..profile import write_atomic, write_json_atomic
+from ..profile import check_summary, write_atomic, write_json_atomic
 
 FATAL = "fatal_error"
 # Every task a site answers (the client script). Filters are registered for named tasks:
@@ -217,11 +217,18 @@ class FedLabelsController(BaseFedAvg):
             return None
         ours = versions()
         for r in results:
-            theirs = r.meta.get(VERSIONS) or {}
+            theirs = r.meta.get(VERSIONS)
+            theirs = theirs if isinstance(theirs, dict) else {}
             differ = {k: theirs.get(k) for k in ours if theirs.get(k) != ours[k]}
             if differ:
                 self.panic(f"{r.meta['client_name']} runs {differ}, the server {ours}: install the startup kit's "
                            "requirements.txt at every site")
+                return None
+        # the same versions: a summary that fails the screen is broken or hostile, not another format
+        for site, summary in sorted(summaries.items()):  # nothing a site sent reaches a method unscreened
+            why = check_summary(summary)
+            if why:
+                self.panic(f"{site}'s label summary: {why}: no round starts")
                 return None
         return summaries
 
