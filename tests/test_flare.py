@@ -196,6 +196,11 @@ def semi_supervised(name):
     return job(name, server={**JOBS[name].server, **SEMI_SUPERVISED[name][0]}, **PRODUCTION)
 
 
+# RSCFed's run has one simulator worker process for its two sites: they take turns, a new process per
+# task, so a site's second draw in a round must continue its first from the state it saved.
+SEMI_SUPERVISED_THREADS = {"rscfed_medmnist": {"threads": 1}}
+
+
 HALF = (job("fedavg_cxr", transfer="float16"), {"env": {"OMP_NUM_THREADS": None}})
 
 
@@ -209,7 +214,7 @@ def job_runs(sim_run, data):
 
 CXR = sorted(name for name, spec in JOBS.items() if spec.family == "cxr" and name not in COVERED_BY)
 SEMI_SUPERVISED = {"isofed_medmnist": ({}, [("unlabeled", ["site-2"]), ("labeled", ["site-1"])]),
-                   "rscfed_medmnist": ({"subset_size": 2}, [("subsets", ["site-1", "site-2"])]),
+                   "rscfed_medmnist": ({"subset_size": 2, "subsets": 2}, [("subsets", ["site-1", "site-2"])]),
                    "wfedavg_medmnist": ({}, [("train", ["site-1", "site-2"])])}
 # the jobs tests/test_fedmix_flare.py runs
 FEDMIX_RUNS = ("fedmix_lesion", "fedst_lesion", "fedadaptagg_lesion")
@@ -637,7 +642,7 @@ def test_semi_supervised_jobs_run_in_the_simulator(name, sim_run, medmnist_data,
     its steps are wfedavg's and its unlabeled site's rule is rscfed's."""
     server, steps = SEMI_SUPERVISED[name]
     spec = semi_supervised(name)
-    run_dir, log = sim_run(spec, medmnist_data)
+    run_dir, log = sim_run(spec, medmnist_data, **SEMI_SUPERVISED_THREADS.get(name, {}))
     recs = rounds(run_dir)
     assert [r["round"] for r in recs] == [0, 1]
     for r in recs:
@@ -650,6 +655,13 @@ def test_semi_supervised_jobs_run_in_the_simulator(name, sim_run, medmnist_data,
         assert "every site is labeled" in text  # the labeled-only special case, said once
     else:
         assert "labeled sites ['site-1'], unlabeled sites ['site-2']" in text
+    if name == "rscfed_medmnist":  # taking turns: the second draw continued the first, as in process
+        for site in ("site-1", "site-2"):
+            assert f"[{site}] continued its state of this run" in text
+        out = in_process(spec, medmnist_data, method=spec.method)
+        flare_w = weights(run_dir)
+        for k, v in out["last"].items():
+            np.testing.assert_allclose(flare_w[k], v, rtol=0, atol=1e-6, err_msg=k)
     if name == "isofed_medmnist":
         assert np.isfinite(recs[0]["sites"]["site-2"]["pretrain_loss"])
         assert "pretrain_loss" not in recs[0]["sites"]["site-1"]
@@ -736,7 +748,7 @@ SHARED_RUNS = {
     "test_one_configuration_reaches_server_and_sites": lambda p: _cxr("fedprox_cxr"),
     "test_fedbn_batch_norm_never_leaves_a_site_and_its_personal_model_carries_it": lambda p: _cxr("fedbn_cxr"),
     "test_semi_supervised_jobs_run_in_the_simulator":
-        lambda p: [("medmnist_data", None, semi_supervised(p["name"]), {})],
+        lambda p: [("medmnist_data", None, semi_supervised(p["name"]), SEMI_SUPERVISED_THREADS.get(p["name"], {}))],
     "test_fedmlp_sends_prototypes_from_the_last_warmup_round_and_tags_in_stage_2": lambda p: _cxr("fedmlp_cxr"),
 }
 
