@@ -269,13 +269,16 @@ PRETRAIN_DEFAULTS = {"pretrain_target": "both", "pretrain_sites": "unlabeled", "
 
 def ablation_table(out: Path) -> str | None:
     """ablations/TABLE.md: one row per reading, accuracy at each scored round, AUROC and classes at the last."""
-    rows = []
+    rows, splits, protocols, rounds = [], set(), set(), set()
     for cell_dir in sorted((out / "ablations").glob("*/cells")):
         run = cell_dir.parent.name
         by_method = {}
         for path in sorted(cell_dir.glob("*.json")):
             cell = json.loads(path.read_text())
             method, client = cell["config"]["method"], cell["config"]["client_options"]
+            splits.add(Path(cell["config"]["data"]).name)
+            protocols.add(cell["config"].get("protocol") or "bundle default")
+            rounds.add(cell["config"]["rounds"])
             changed = {k: v for k, v in client.items() if k.startswith("pretrain_")}
             label = LABELS.get(method, method) + (" (" + ", ".join(f"{k}={v}" for k, v in changed.items()) + ")"
                                                   if changed else "")
@@ -309,13 +312,14 @@ def ablation_table(out: Path) -> str | None:
 
     lines = ["# IsoFed's pretraining readings, each an ablation row", "",
              "Written by `benchmarks/isofed_tables.py --table-only` from the cells under `ablations/` "
-             "(`ablations/run.sh`: one `fedlabels bench` run per reading). PneumoniaMNIST, gamma 0.8, L:U = 1:3 "
-             "(site-1 labeled, three unlabeled sites), the `isofed` preset, 20 rounds x 1 local epoch, the three "
-             "prepared splits of the main table (`data/pneumoniamnist-g0.8-l1-s{0,1,2}`), one torch thread on a "
-             "2-core CPU. Each reading differs from the `IsoFed` row in the one option named; the defaults are "
+             "(`ablations/run.sh`: one `fedlabels bench` run per reading). Splits: "
+             + ", ".join(f"`{d}`" for d in sorted(splits)) + f" (the main table's), the `{'`, `'.join(sorted(protocols))}` "
+             f"preset, {', '.join(map(str, sorted(rounds)))} rounds. Each reading differs from the `IsoFed` row in the "
+             "one option named; the defaults are "
              + ", ".join(f"{k} = {v}" for k, v in PRETRAIN_DEFAULTS.items())
-             + " (`fedlabels.methods.semisup`). Last model, pooled official test split (624 cases), mean ± sd over "
-             "the splits; `recalls`: per split, the classes with recall above 0 (1 = one class predicted).", "",
+             + " (`fedlabels.methods.semisup`). Last model, pooled official test split, mean ± sd over the splits; "
+             "`recalls` and `per split` in seed order; `recalls`: the classes with recall above 0 (1 = one class "
+             "predicted).", "",
              "| row | " + " | ".join(f"accuracy, round {r}" for r in scored) + f" | AUROC, round {last} | recalls | per split (accuracy, round {last}) |",
              "|---|" + "---|" * (len(scored) + 3)]
     for run, label, vals in rows:
@@ -344,7 +348,8 @@ def main(argv=None):
     args.datasets = [d for d in args.datasets.split(",") if d]
     args.gammas = [float(g) for g in args.gammas.split(",") if g]
     args.seeds, args.seeds_13, args.labeled = _seeds(args.seeds), _seeds(args.seeds_13), _seeds(args.labeled)
-    args.eval_rounds = sorted(r for r in _seeds(args.eval_rounds) if r <= args.rounds) or [args.rounds]
+    # the run's last round is always scored (fedlabels bench refuses scored rounds that stop before it)
+    args.eval_rounds = sorted({r for r in _seeds(args.eval_rounds) if r <= args.rounds} | {args.rounds})
     args.out = args.out.resolve()
     args.src = args.src.resolve()
     args.threads = 1 if args.jobs > 1 else int(os.environ.get("OMP_NUM_THREADS", "2"))

@@ -280,7 +280,8 @@ def main(argv=None) -> None:
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
-    eval_rounds = sorted({int(r) for r in args.eval_rounds.split(",")}) if args.eval_rounds else [args.rounds]
+    # the last round is always scored (the project side refuses scored rounds that stop before it)
+    eval_rounds = sorted({int(r) for r in (args.eval_rounds or "").split(",") if r} | {args.rounds})
     for seed in seeds:
         data = Path(args.data.replace("{seed}", str(seed)))
         if not (data / "scenario.yaml").is_file():

@@ -4,12 +4,13 @@ Markers (registered in setup.cfg; ``--strict-markers`` refuses any other):
 
 * ``simulator``: runs the real NVIDIA FLARE simulator (or ``fedlabels bench --engine flare``);
 * ``deploy``: a provisioned federation on 127.0.0.1, or nvflare's POC mode (tests/test_deploy.py);
-* ``claims``: a claim checked by training for minutes (tests/test_claims.py, tests/test_fedmlp_claims.py).
+* ``claims``: a claim checked by training for minutes (tests/test_claims.py, tests/test_fedmlp_claims.py);
+* ``poc_jobs``: every shipped job in nvflare's POC mode (tests/test_poc_jobs.py, ``make test-poc-jobs`` only).
 
 Each test module marks its own tests (``pytestmark`` or a decorator). The fast lane,
-``make test-fast``, is ``-m "not simulator and not deploy and not claims"``: every unit and
-reference-loop test and the static job checks (drift, filters, configuration). ``make test``
-(what .ci/run calls) runs everything.
+``make test-fast``, is ``-m "not simulator and not deploy and not claims and not poc_jobs"``: every
+unit and reference-loop test and the static job checks (drift, filters, configuration). ``make test``
+(what .ci/run calls) runs everything but ``poc_jobs``.
 
 Simulator runs are shared across modules (``sim_run``, tests/shared_runs.py): the scenario
 folders they read are session fixtures here, so a run asked for by two modules happens once.

@@ -455,7 +455,7 @@ def test_a_job_with_fewer_sites_than_its_method_needs_is_refused_before_it_runs(
     assert len(err.strip().splitlines()) == 1
     out = subprocess.run([sys.executable, str(REPO / "nvflare_jobs" / "rscfed_medmnist" / "job.py"), "--out",
                           str(tmp_path / "job"), "-n", "2"], capture_output=True, text=True)
-    assert out.returncode == 2 and "error: -n 2: rscfed_medmnist" in out.stderr and "needs at least 3" in out.stderr
+    assert out.returncode == 2 and "error: rscfed_medmnist" in out.stderr and "needs at least 3 sites, not 2" in out.stderr
     assert not (tmp_path / "sim").exists() and not (tmp_path / "job").exists()
     check_sites(dataclasses.replace(JOBS["rscfed_medmnist"], sites=3))
     check_sites(dataclasses.replace(JOBS["rscfed_medmnist"], sites=2, server={"subset_size": 2}))

@@ -491,7 +491,9 @@ def test_a_server_killed_at_any_point_resumes_to_the_uninterrupted_model(fed):
         np.testing.assert_allclose(np.asarray(resumed[k]), straight[k], rtol=0, atol=1e-5, err_msg=k)
 
     # site-2 lost its saved state (a replaced machine, or a site new to the run): it joins from the global model
-    for folder in fed["kits"]["site-2"].rglob(f"fedlabels_state/{run}/site-2"):
+    lost = list(fed["kits"]["site-2"].rglob(f"fedlabels_state/{run}/site-2"))
+    assert lost, "site-2 saved no state under its kit"
+    for folder in lost:
         shutil.rmtree(folder)
     f, job_id, _, recs = leg(c)
     assert recs == [3]

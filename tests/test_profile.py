@@ -159,7 +159,7 @@ def test_label_summary_counts(pristine):
 
 
 def test_every_real_summary_passes_the_servers_screen_and_each_hostile_one_is_named(pristine):
-    from fedlabels.profile import check_summary
+    from fedlabels.profile import check_summaries, check_summary
 
     for family, root in pristine.items():  # every site of every embedded family, labeled or not
         for name, site in load_scenario(root).sites.items():
@@ -176,10 +176,19 @@ def test_every_real_summary_passes_the_servers_screen_and_each_hostile_one_is_na
         ({"positives": good["positives"][:-1]}, "lengths [6, 5, 6] differ"),
         ({"labeled_mask": [1] * 6}, "field 'labeled_mask': not all true or false"),
         ({"annotated": [cases + 1] * 6}, f"field 'annotated': not all counts between 0 and the site's {cases} cases"),
+        ({"annotated": [0] * 6, "positives": [0] * 6}, "field 'labeled': True, but the site annotated 0 cases"),
         ({"annotated": [0] * 6}, "more positives than annotated"),
+        ({"privacy": "spent nothing"}, "field 'privacy': not a report"),
+        ({"privacy": {"epsilon": 1.0}}, "field 'privacy': not a report"),
     ]:
         hostile = change if isinstance(change, str) else {**good, **change}
         assert reason in (check_summary(hostile) or ""), (change, check_summary(hostile))
+    medmnist = load_scenario(pristine["medmnist"]).site("site-1").summary()
+    assert check_summaries({"site-1": good, "site-2": dict(good)}) is None
+    assert check_summaries({"site-1": good, "site-2": {**good, "cases": -1}}).startswith("site-2's label summary: ")
+    assert "different tasks" in check_summaries({"site-1": good, "site-2": medmnist})
+    short = {**good, **{k: good[k][:5] for k in ("annotated", "positives", "labeled_mask")}}
+    assert "different numbers of classes: {'site-1': 6, 'site-2': 5}" in check_summaries({"site-1": good, "site-2": short})
 
 
 def test_interrupted_write_leaves_previous_scenario(pristine, tmp_path):

@@ -180,6 +180,30 @@ def check_summary(summary) -> str | None:
             return f"field {k!r}: not all counts between 0 and the site's {summary['cases']} cases"
     if any(p > a for p, a in zip(fields["positives"], fields["annotated"])):
         return "field 'positives': more positives than annotated cases in a class"
+    if summary["labeled"] != any(n > 0 for n in fields["annotated"]):
+        return f"field 'labeled': {summary['labeled']}, but the site annotated {sum(fields['annotated'])} cases"
+    report = summary.get("privacy")  # the noised release's report (fedlabels.privacy.REPORT), when there is one
+    if report is not None:
+        numbers = ("noise_multiplier", "clip", "epsilon", "delta", "releases")
+        if not isinstance(report, dict) or not all(isinstance(report.get(k), (int, float))
+                                                   and not isinstance(report.get(k), bool) for k in numbers):
+            return f"field 'privacy': not a report with the numbers {list(numbers)}"
+    return None
+
+
+def check_summaries(summaries: dict) -> str | None:
+    """``check_summary`` for every site, then what the sites must share (the task, one value per class
+    of the same classes); the reason names the site."""
+    for site, summary in sorted(summaries.items()):
+        why = check_summary(summary)
+        if why:
+            return f"{site}'s label summary: {why}"
+    tasks = {site: s["task"] for site, s in summaries.items()}
+    if len(set(tasks.values())) > 1:
+        return f"the sites' label summaries name different tasks: {tasks}"
+    classes = {site: len(s["annotated"]) for site, s in summaries.items()}
+    if len(set(classes.values())) > 1:
+        return f"the sites' label summaries count different numbers of classes: {classes}"
     return None
 
 

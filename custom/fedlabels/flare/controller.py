@@ -41,7 +41,7 @@ from ..config import DEFAULT_SITE_TIMEOUT, FILE, RunConfig
 from ..engine import NoProgress, RoundEngine, clean_metrics
 from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, REASON, RESUME, Update
 from ..privacy import server_lines
-from ..profile import check_summary, write_atomic, write_json_atomic
+from ..profile import check_summaries, write_atomic, write_json_atomic
 
 FATAL = "fatal_error"
 # Every task a site answers (the client script). Filters are registered for named tasks:
@@ -225,11 +225,10 @@ class FedLabelsController(BaseFedAvg):
                            "requirements.txt at every site")
                 return None
         # the same versions: a summary that fails the screen is broken or hostile, not another format
-        for site, summary in sorted(summaries.items()):  # nothing a site sent reaches a method unscreened
-            why = check_summary(summary)
-            if why:
-                self.panic(f"{site}'s label summary: {why}: no round starts")
-                return None
+        why = check_summaries(summaries)  # nothing a site sent before round 0 reaches a method unscreened
+        if why:
+            self.panic(f"{why}: no round starts")
+            return None
         return summaries
 
     def _connected(self, targets) -> list:

@@ -304,8 +304,8 @@ def run_cli(spec: JobSpec, argv=None) -> None:
                                min_sites=args.min_sites, resume_from=args.resume_from, site_timeout=args.site_timeout)
     try:
         check_sites(spec)
-    except ValueError as e:
-        p.error(f"-n {args.sites}: {e}")
+    except ValueError as e:  # too few sites for the method (-n), or a server option the rule refuses
+        p.error(str(e))
     if args.config_only and not args.out:
         p.error("--config-only goes with --out (--prod always submits the production form)")
     if args.out:
