@@ -366,22 +366,23 @@ def test_a_site_whose_certificate_another_ca_signed_is_refused(fed):
 def test_hostile_replies_and_a_stalled_hospital_are_dropped_and_the_job_finishes(fed):
     """site-2 sends what a broken or hostile site could (a case count that is no number, one far above
     what it declared at the handshake, weights of another dtype, extras that are no mapping, an infinite
-    validation score) and, in round 1, answers only after the server's site_timeout: each update is
+    validation score, a weight of the right shape holding text) and, in round 1, answers only after the server's site_timeout: each update is
     dropped with its reason in metrics.jsonl, the infinite score is not scored, and every round goes on
     (tests/test_flare.py drills the other kinds in the simulator)."""
-    job_id, status, result = submit(fed, "--rounds", "6", "--min-sites", "1", "--site-timeout", "15",
+    job_id, status, result = submit(fed, "--rounds", "7", "--min-sites", "1", "--site-timeout", "15",
                                     faults=["site-2:n_text:0", "site-2:stall:1", "site-2:dtype:2", "site-2:n_huge:3",
-                                            "site-2:extras:4", "site-2:metric:5"])
+                                            "site-2:extras:4", "site-2:metric:5", "site-2:strings:6"])
     assert status == "FINISHED:COMPLETED"
     recs = [json.loads(line) for line in (result / "workspace" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in recs] == [0, 1, 2, 3, 4, 5] and all(r["aggregated"] for r in recs)
-    assert [sorted(r["dropped"]) for r in recs] == [["site-2"]] * 5 + [[]]
+    assert [r["round"] for r in recs] == [0, 1, 2, 3, 4, 5, 6] and all(r["aggregated"] for r in recs)
+    assert [sorted(r["dropped"]) for r in recs] == [["site-2"]] * 5 + [[], ["site-2"]]
     reasons = [r["dropped"]["site-2"] for r in recs[:5]]
     assert "case count 'many' is not a positive integer" in reasons[0]
     assert "no result" in reasons[1]  # stalled past the timeout
     assert "dtype of" in reasons[2] and "float64" in reasons[2]
     assert "exceeds the" in reasons[3]
     assert "extras are a list" in reasons[4]
+    assert "dtype of" in recs[6]["dropped"]["site-2"] and "<U" in recs[6]["dropped"]["site-2"], recs[6]["dropped"]
     assert sorted(recs[5]["sites"]) == list(SITES)  # site-2's update counts; its score does not
     assert "site-2" not in recs[5]["scored_by"] and "site-2" in recs[4]["scored_by"], recs
     log = (result / "workspace" / "log.txt").read_text()

@@ -66,7 +66,7 @@ def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict, metrics
     hospital that goes silent mid-round; the drill ends when its process is killed). ``stall``: it
     answers only after the server's ``timeout`` has passed (a site far slower than the others, or
     hung and back later): the server has left it out of the round by then. The hostile kinds
-    (``n_text``, ``n_huge``, ``dtype``, ``extras``, ``metric``) send what a broken or hostile site
+    (``n_text``, ``n_huge``, ``dtype``, ``strings``, ``extras``, ``metric``) send what a broken or hostile site
     could: the server drops each with its reason."""
     metrics = dict(metrics or {})
     for fault in faults:
@@ -100,6 +100,8 @@ def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict, metrics
             meta[N] = 10**9
         elif kind == "dtype":
             weights[key] = weights[key].astype(np.float64)
+        elif kind == "strings":  # the right shape, text instead of numbers
+            weights[key] = weights[key].astype(str)
         elif kind == "extras":
             meta[EXTRAS] = ["not", "a", "mapping"]
         elif kind == "metric":
