@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ import yaml
 from fedlabels.flare.job import JOBS
 from fedlabels.flare.local_federation import free_ports, kit_processes, wait_for_sites
 from fedlabels.flare.provision import allow_fedlabels
-from shared_runs import smoke
+from shared_runs import environment, smoke
 
 pytestmark = pytest.mark.poc_jobs
 
@@ -63,13 +62,8 @@ def poc(tmp_path_factory):
     kits = {p.parents[1].name: p.parents[1] for p in workspace.rglob("startup/fed_*.json")}
     for name in [server["name"], *SITES]:  # the production form names installed fedlabels classes
         allow_fedlabels(kits[name])
-    saved = {k: os.environ.get(k) for k in ("FEDLABELS_DATA", "OMP_NUM_THREADS")}
-    os.environ.update(FEDLABELS_DATA="embedded", OMP_NUM_THREADS="1")  # what the services start with
-    try:
+    with environment({"FEDLABELS_DATA": "embedded", "OMP_NUM_THREADS": "1"}):  # what the services start with
         _start_poc(poc_workspace=str(workspace), gpu_ids=[], excluded=[admin], services_list=[])
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     try:
         wait_for_sites(kits[admin], SITES)
         yield {"workspace": workspace, "admin": kits[admin]}
