@@ -154,10 +154,10 @@ def _cell(values, run, method, metric="accuracy", paper=None):
     return text + (f" / {paper:.1f}" if paper is not None else "")
 
 
-def site_share(args, ds, gamma, labeled, k) -> float | None:
-    """Site k's share of the training cases (%), mean over the prepared splits."""
+def site_share(folders, k) -> float | None:
+    """Site k's share of the training cases (%), mean over these prepared splits."""
     shares = []
-    for folder in sorted((args.out / "data").glob(f"{ds}-g{gamma}-l{labeled}-s*")):
+    for folder in folders:
         counts = {p.parent.name: len(json.loads(p.read_text())["training"]) for p in folder.glob("site-*/datalist.json")}
         if f"site-{k}" in counts and sum(counts.values()):
             shares.append(100 * counts[f"site-{k}"] / sum(counts.values()))
@@ -184,7 +184,8 @@ def glance(args, values) -> list:
                           for k in range(1, labeled + 1)]
                 floors = [f for f in floors if not np.isnan(f[0])]
                 best = max(floors) if floors else None
-                share = site_share(args, ds, gamma, labeled, best[1]) if best else None
+                splits = sorted((args.out / "data").glob(f"{ds}-g{gamma}-l{labeled}-s*"))
+                share = site_share(splits, best[1]) if best else None
                 cells.append(f"{_cell(values, run, f'local:site-{best[1]}')} (site-{best[1]}"
                              + (f", {share:.0f} % of the training cases)" if share is not None else ")")
                              if best else "not run")
@@ -267,44 +268,38 @@ PRETRAIN_DEFAULTS = {"pretrain_target": "both", "pretrain_sites": "unlabeled", "
                      "pretrain_epochs": 1}
 
 
-def ablation_table(out: Path) -> str | None:
-    """ablations/TABLE.md: one row per reading, accuracy at each scored round, AUROC and classes at the last."""
-    rows, splits, protocols, rounds = [], set(), set(), set()
-    for cell_dir in sorted((out / "ablations").glob("*/cells")):
-        run = cell_dir.parent.name
-        by_method = {}
-        for path in sorted(cell_dir.glob("*.json")):
-            cell = json.loads(path.read_text())
-            method, client = cell["config"]["method"], cell["config"]["client_options"]
-            splits.add(Path(cell["config"]["data"]).name)
-            protocols.add(cell["config"].get("protocol") or "bundle default")
-            rounds.add(cell["config"]["rounds"])
-            changed = {k: v for k, v in client.items() if k.startswith("pretrain_")}
-            label = LABELS.get(method, method) + (" (" + ", ".join(f"{k}={v}" for k, v in changed.items()) + ")"
-                                                  if changed else "")
-            if method.startswith("local:"):  # the site alone: with its share of the split's training cases
-                data = Path(cell["config"]["data"])
-                counts = {d.parent.name: len(json.loads(d.read_text())["training"]) for d in data.glob("site-*/datalist.json")}
-                shares = by_method.setdefault(("share", method), [])
-                shares.append(100 * counts[method.split(":", 1)[1]] / sum(counts.values()))
-            vals = by_method.setdefault((method.startswith("local:"), label), {})
-            for r in cell["rows"]:
-                if r["model"] == "last" and r["group"] == "pooled" and r["value"] is not None:
-                    if r["class"] == "mean" and r["metric"] in ("accuracy", "auroc"):
-                        vals.setdefault((r["metric"], int(r["round"])), []).append(float(r["value"]))
-                    elif r["metric"] == "recall" and r["class"] != "mean":
-                        key = ("recalled", int(r["round"]), cell["config"]["seed"])
-                        vals[key] = vals.get(key, 0) + (float(r["value"]) > 0)
-        for (floor, label), vals in by_method.items():
-            if floor == "share" or floor and any(r[1].startswith(label) for r in rows):
-                continue  # the floor is the same in every reading's run: listed once
-            if floor:
-                label += f" alone ({np.mean(by_method[('share', label)]):.0f} % of the training cases, mean over the splits)"
-            rows.append((run, label, vals))
+def ablation_table(out: Path, datasets) -> str | None:
+    """ablations/TABLE.md: one row per reading, accuracy at each scored round, AUROC and classes at the last.
+    The readings' runs are the folders ``ablations/<dataset>-...`` (run.sh names them so); other ablations
+    kept under ``ablations/`` are not readings."""
+    rows, floors, splits, protocols, rounds = {}, set(), set(), set(), set()  # rows: label -> key -> values
+    for path in sorted(p for ds in datasets for p in (out / "ablations").glob(f"{ds}-*/cells/*.json")):
+        cell = json.loads(path.read_text())
+        cfg = cell["config"]
+        splits.add(Path(cfg["data"]))
+        protocols.add(cfg.get("protocol") or "bundle default")
+        rounds.add(cfg["rounds"])
+        changed = {k: v for k, v in cfg["client_options"].items() if k.startswith("pretrain_")}
+        label = LABELS.get(cfg["method"], cfg["method"]) + (
+            " (" + ", ".join(f"{k}={v}" for k, v in changed.items()) + ")" if changed else "")
+        if label.startswith("local:") and (label, cfg["seed"]) in floors:
+            continue  # the floor is the same cell in every reading's run: counted once per split
+        floors.add((label, cfg["seed"]))
+        vals = rows.setdefault(label, {})
+        for r in cell["rows"]:
+            if r["model"] == "last" and r["group"] == "pooled" and r["value"] is not None:
+                if r["class"] == "mean" and r["metric"] in ("accuracy", "auroc"):
+                    vals.setdefault((r["metric"], int(r["round"])), []).append(float(r["value"]))
+                elif r["metric"] == "recall" and r["class"] != "mean":
+                    key = ("recalled", int(r["round"]), cfg["seed"])
+                    vals[key] = vals.get(key, 0) + (float(r["value"]) > 0)
+    rows = [(label if not label.startswith("local:") else f"{label} alone "
+             f"({site_share(sorted(splits), int(label.split('-')[-1])):.0f} % of the training cases, mean over "
+             "the splits)", vals) for label, vals in rows.items()]
     if not rows:
         return None
-    rows.sort(key=lambda r: (r[1].startswith("local:"), r[1] != "IsoFed", r[1] != "IsoFed w/o PT", r[1]))
-    scored = sorted({k[1] for _, _, v in rows for k in v if k[0] == "accuracy"})
+    rows.sort(key=lambda r: (r[0].startswith("local:"), r[0] != "IsoFed", r[0] != "IsoFed w/o PT", r[0]))
+    scored = sorted({k[1] for _, v in rows for k in v if k[0] == "accuracy"})
     last = scored[-1]
 
     def cell(v):
@@ -313,7 +308,7 @@ def ablation_table(out: Path) -> str | None:
     lines = ["# IsoFed's pretraining readings, each an ablation row", "",
              "Written by `benchmarks/isofed_tables.py --table-only` from the cells under `ablations/` "
              "(`ablations/run.sh`: one `fedlabels bench` run per reading). Splits: "
-             + ", ".join(f"`{d}`" for d in sorted(splits)) + f" (the main table's), the `{'`, `'.join(sorted(protocols))}` "
+             + ", ".join(f"`{d.name}`" for d in sorted(splits)) + f" (the main table's), the `{'`, `'.join(sorted(protocols))}` "
              f"preset, {', '.join(map(str, sorted(rounds)))} rounds. Each reading differs from the `IsoFed` row in the "
              "one option named; the defaults are "
              + ", ".join(f"{k} = {v}" for k, v in PRETRAIN_DEFAULTS.items())
@@ -322,7 +317,7 @@ def ablation_table(out: Path) -> str | None:
              "predicted).", "",
              "| row | " + " | ".join(f"accuracy, round {r}" for r in scored) + f" | AUROC, round {last} | recalls | per split (accuracy, round {last}) |",
              "|---|" + "---|" * (len(scored) + 3)]
-    for run, label, vals in rows:
+    for label, vals in rows:
         recalled = [int(v) for k, v in sorted(vals.items()) if k[0] == "recalled" and k[1] == last]
         lines.append(f"| {label} | " + " | ".join(cell(vals[("accuracy", r)]) for r in scored)
                      + f" | {cell(vals[('auroc', last)])} | {','.join(map(str, recalled))} | "
@@ -370,7 +365,7 @@ def main(argv=None):
     tmp = args.out / "TABLE.md.tmp"  # a reader never sees half a table
     tmp.write_text(text)
     tmp.replace(args.out / "TABLE.md")
-    readings = ablation_table(args.out)
+    readings = ablation_table(args.out, args.datasets)
     if readings:
         tmp = args.out / "ablations" / "TABLE.md.tmp"
         tmp.write_text(readings)

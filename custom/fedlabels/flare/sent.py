@@ -9,9 +9,9 @@ The site's own ``SentRecord(stage="site")``, in the privacy scope that
 ``fedlabels provision`` writes into every hospital kit (``local/privacy.json``),
 records every job's replies whatever the job's configuration says, to
 ``<site>.site.jsonl``. nvflare runs a site's scope filters before the job's,
-so this record shows a reply before the job's filters; the filters a
-production job may name (the kit's class allow list) only drop weights or
-lower their precision, so every weight that leaves is in it. One JSON line
+so this record shows a reply before the job's filters; the filters
+fedlabels' production jobs name only drop weights or lower their precision,
+so every weight they let leave is in it. One JSON line
 per reply: task, round, the server's run token (job stage only), every
 weight's shape and dtype (never values), the metadata and metric fields with
 their values, and the bytes of the arrays. The filter changes nothing.

@@ -252,7 +252,10 @@ class RSCFedServer(WeightedFedAvgServer):
         if int(subsets) < 1 or int(subset_size) < 1:
             raise ValueError(f"subsets and subset_size must be >= 1, got {subsets}, {subset_size}")
         self.subsets, self.subset_size, self.seed = int(subsets), int(subset_size), int(seed)
-        self.sites_needed = self.subset_size
+
+    @property
+    def sites_needed(self) -> int:  # a subset holds distinct sites
+        return self.subset_size
 
     def setup(self, summaries):
         if self.subset_size > len(summaries):
