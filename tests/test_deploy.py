@@ -364,18 +364,23 @@ def test_a_site_whose_certificate_another_ca_signed_is_refused(fed):
 
 
 def test_hostile_replies_and_a_stalled_hospital_are_dropped_and_the_job_finishes(fed):
-    """site-2 sends what a broken or hostile site could (a case count that is no number, one far above
-    what it declared at the handshake, weights of another dtype, extras that are no mapping, an infinite
-    validation score, a weight of the right shape holding text) and, in round 1, answers only after the server's site_timeout: each update is
-    dropped with its reason in metrics.jsonl, the infinite score is not scored, and every round goes on
-    (tests/test_flare.py drills the other kinds in the simulator)."""
-    job_id, status, result = submit(fed, "--rounds", "7", "--min-sites", "1", "--site-timeout", "15",
-                                    faults=["site-2:n_text:0", "site-2:stall:1", "site-2:dtype:2", "site-2:n_huge:3",
-                                            "site-2:extras:4", "site-2:metric:5", "site-2:strings:6"])
+    """Surgical Aggregation (its rule reads each site's per-class labeled mask) for 8 rounds. site-2 sends
+    what a broken or hostile site could (a case count that is no number, one far above what it declared at
+    the handshake, weights of another dtype, extras that are no mapping, an infinite validation score, a
+    weight of the right shape holding text, a labeled mask of text) and, in round 1, answers only after the
+    server's site_timeout; with the first and the third it sends a key metric that is text, then NaN. (site-1's
+    validation split is too small for an AUROC: site-2 alone scores.) Each update is dropped with its reason
+    in metrics.jsonl, no score that is not a finite number is scored, and every round goes on (tests/test_flare.py drills the other kinds in the simulator)."""
+    job_id, status, result = submit(fed, "--rounds", "8", "--min-sites", "1", "--site-timeout", "15",
+                                    name="surgical_cxr",
+                                    faults=["site-2:n_text:0", "site-2:metric_text:0", "site-2:stall:1",
+                                            "site-2:dtype:2", "site-2:metric_nan:2", "site-2:n_huge:3",
+                                            "site-2:extras:4", "site-2:metric:5", "site-2:strings:6",
+                                            "site-2:mask:7"])
     assert status == "FINISHED:COMPLETED"
     recs = [json.loads(line) for line in (result / "workspace" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in recs] == [0, 1, 2, 3, 4, 5, 6] and all(r["aggregated"] for r in recs)
-    assert [sorted(r["dropped"]) for r in recs] == [["site-2"]] * 5 + [[], ["site-2"]]
+    assert [r["round"] for r in recs] == list(range(8)) and all(r["aggregated"] for r in recs)
+    assert [sorted(r["dropped"]) for r in recs] == [["site-2"]] * 5 + [[], ["site-2"], ["site-2"]]
     reasons = [r["dropped"]["site-2"] for r in recs[:5]]
     assert "case count 'many' is not a positive integer" in reasons[0]
     assert "no result" in reasons[1]  # stalled past the timeout
@@ -383,11 +388,16 @@ def test_hostile_replies_and_a_stalled_hospital_are_dropped_and_the_job_finishes
     assert "exceeds the" in reasons[3]
     assert "extras are a list" in reasons[4]
     assert "dtype of" in recs[6]["dropped"]["site-2"] and "<U" in recs[6]["dropped"]["site-2"], recs[6]["dropped"]
+    assert "could not convert string to float: 'yes'" in recs[7]["dropped"]["site-2"], recs[7]["dropped"]
+    # a score is the site's validation of the model it received: it counts when its update is dropped
+    assert [r["scored_by"] for r in recs] == [[], [], [], ["site-2"], ["site-2"], [], ["site-2"], ["site-2"]], recs
     assert sorted(recs[5]["sites"]) == list(SITES)  # site-2's update counts; its score does not
-    assert "site-2" not in recs[5]["scored_by"] and "site-2" in recs[4]["scored_by"], recs
     log = (result / "workspace" / "log.txt").read_text()
     assert "did not answer within 15s (site_timeout)" in log
-    assert re.search(r"round 5 site-2: val_\w+=inf is not finite: not scored", log), log[-3000:]
+    assert re.search(r"round 0 site-2: metric 'val_\w+'='high' is not a number: left out of the record", log), \
+        log[-3000:]
+    for rnd, value in [(2, "nan"), (5, "inf")]:
+        assert re.search(rf"round {rnd} site-2: val_\w+={value} is not finite: not scored", log), log[-3000:]
 
 
 def test_a_killed_hospital_is_left_out_and_the_job_finishes(fed):

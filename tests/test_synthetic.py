@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from fedlabels.data import synthetic
@@ -55,6 +56,32 @@ def test_cxr_partial_label_layout(tmp_path):
     assert (test >= 0).all() and test.shape == (20, 6)
     img = np.asarray(Image.open(sc.test[0]["image"]))
     assert img.shape == (64, 64) and img.dtype == np.uint8
+
+
+def test_cxr_drop_k_classes_differs_from_the_default_in_labels_only(tmp_path):
+    """``missing=k``: each site annotates 6 - k findings on every case, every finding somewhere, and the
+    images and full labels of a seed are the same at every k (two levels differ in what is annotated)."""
+    roots = {k: generate("cxr", tmp_path / f"m{k}", seed=1, cases=12, test_cases=4, size=16, missing=k)
+             for k in (1, 4)}
+    scs = {k: load_scenario(r) for k, r in roots.items()}
+    for k, sc in scs.items():
+        covered = set()
+        for site in sc.sites.values():
+            assert len(site.profile.annotated) == 6 - k
+            covered |= set(site.profile.annotated)
+            labels = np.array([i["label"] for i in site.training + site.validation])
+            mask = site.profile.labeled_mask
+            assert (labels[:, mask] >= 0).all() and (labels[:, ~mask] == -1).all()  # every case, only its classes
+        assert covered == set(sc.classes)
+        assert sc.meta["provenance"]["missing"] == k
+    assert [s.profile.annotated for s in scs[1].sites.values()] != [s.profile.annotated for s in scs[4].sites.values()]
+    images = {k: sorted((p.relative_to(r), p.read_bytes()) for p in r.rglob("*.png")) for k, r in roots.items()}
+    assert images[1] == images[4]
+    for a, b in zip(scs[1].sites.values(), scs[4].sites.values()):
+        assert [i["label"] for i in a.oracle()["training"]] == [i["label"] for i in b.oracle()["training"]]
+    with pytest.raises(ValueError, match="cannot cover all 6 classes"):
+        generate("cxr", tmp_path / "m5", seed=1, cases=12, missing=5)  # 4 sites, one finding each
+    assert not (tmp_path / "m5").exists()
 
 
 def test_cxr_site_sizes_differ(tmp_path):

@@ -80,6 +80,10 @@ def cmd_synth(args):
         raise ValueError(f"--sites must be >= 1, not {args.sites}")
     if args.family == "medmnist":
         kwargs.update(gamma=args.gamma, labeled=[int(i) - 1 for i in args.labeled.split(",")] if args.labeled else None)
+    if args.missing is not None:
+        if args.family != "cxr":
+            raise ValueError(f"--missing applies to the cxr family, not {args.family}")
+        kwargs["missing"] = args.missing
     root = generate(args.family, args.out, seed=args.seed, sites=args.sites, progress=_say, **kwargs)
     _say(format_summary(load_scenario(root)))
     _say(f"wrote {root}")
@@ -173,6 +177,8 @@ def build_parser(flare: bool = True) -> argparse.ArgumentParser:
                    help="number of sites (cxr: site k labels like FedPSL Table I's site k mod 4; default 4)")
     s.add_argument("--gamma", type=float, default=0.8, help="medmnist: Dirichlet label skew")
     s.add_argument("--labeled", help="medmnist: comma-separated site numbers that keep labels (default 1)")
+    s.add_argument("--missing", type=int, help="cxr: each site drops this many of the 6 findings and annotates the "
+                   "others on every case, every finding at some site (FedMLP's setting; default: FedPSL Table I's sets)")
     s.set_defaults(fn=cmd_synth)
 
     s = sub.add_parser("validate", help="validate a scenario folder and print its label table")

@@ -35,7 +35,7 @@ import numpy as np
 from PIL import Image
 
 from ..profile import SiteProfile, scenario_writer, write_json_atomic, write_site, write_yaml
-from .partition import FEDPSL_CLASSES_6, FEDPSL_SITE_CLASSES_6
+from .partition import FEDPSL_CLASSES_6, FEDPSL_SITE_CLASSES_6, missing_class_sets
 
 FAMILIES = ("cxr", "medmnist", "lesion")
 # Part of the cache key: bump when what a seed produces changes (images, labels, site sizes).
@@ -271,17 +271,22 @@ def _split(items, val_fraction, rng):
 
 def generate(family: str, out, seed: int = 0, size: int | None = None, cases: int | None = None,
              test_cases: int | None = None, sites: int = 4, gamma: float = 0.8, labeled=None, supervision=None,
-             val_fraction: float = 0.15, progress=None, lesion_classes: int = 1) -> Path:
+             val_fraction: float = 0.15, progress=None, lesion_classes: int = 1, missing: int | None = None) -> Path:
     """Write one synthetic scenario folder atomically; returns its path.
 
     ``cases`` is per site (lesion), the size of a reference site (cxr: site k
     holds ``round(CXR_SITE_SCALE[k] * cases)``, see ``cxr_site_cases``) or in
     total (medmnist). ``lesion_classes=2``: the lesion family's two-class flavour
     (``LESION_CLASSES_2``; masks hold class index + 1, boxes and image-level tags
-    are per class).
+    are per class). ``missing=k`` (cxr): FedMLP's setting instead of FedPSL Table I's label sets: each
+    site annotates 6 - k of the findings on every case, every finding somewhere
+    (``partition.missing_class_sets``, drawn from its own stream: the images of a seed are the same
+    whatever k).
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown synthetic family {family!r}; choose one of {FAMILIES}")
+    if missing is not None and family != "cxr":
+        raise ValueError(f"missing (classes each site drops) applies to the cxr family, not {family!r}")
     rng = np.random.default_rng(seed)
     # Box margins draw from their own stream: the images and masks of a seed are the same whatever
     # each site's supervision, so two supervision settings differ in the labels only.
@@ -297,13 +302,21 @@ def generate(family: str, out, seed: int = 0, size: int | None = None, cases: in
                 raise ValueError(f"sites must be >= 1, not {sites}")
             task, classes = "multilabel", CXR_CLASSES
             site_cases = cxr_site_cases(cases, sites)
-            table = [k % len(CXR_SITE_CLASSES) for k in range(sites)]  # the Table I site each site copies
-            extra = {"site_cases": dict(zip(names, site_cases)),
-                     "annotated_fraction": {name: CXR_ANNOTATED_FRACTION[t] for name, t in zip(names, table)}}
+            if missing is None:  # site k copies Table I's site k mod 4: its classes and annotated fractions
+                table = [k % len(CXR_SITE_CLASSES) for k in range(sites)]
+                site_classes = [CXR_SITE_CLASSES[t] for t in table]
+                fractions = [CXR_ANNOTATED_FRACTION[t] for t in table]
+            else:
+                sets = missing_class_sets(len(CXR_CLASSES), sites, missing, np.random.default_rng([seed, 2]))
+                site_classes = [[CXR_CLASSES[c] for c in s] for s in sets]
+                fractions = [dict.fromkeys(s, 1.0) for s in site_classes]
+                extra["missing"] = missing
+            extra.update({"site_cases": dict(zip(names, site_cases)),
+                          "annotated_fraction": dict(zip(names, fractions))})
             for k, name in enumerate(names):
-                n_k, t = site_cases[k], table[k]
+                n_k = site_cases[k]
                 labels = _cxr_labels(rng, n_k)
-                keep = np.array([c in CXR_SITE_CLASSES[t] for c in CXR_CLASSES])
+                keep = np.array([c in site_classes[k] for c in CXR_CLASSES])
                 items, oracle = [], []
                 for i in range(n_k):
                     rel = f"images/{i:05d}.png"
@@ -312,8 +325,8 @@ def generate(family: str, out, seed: int = 0, size: int | None = None, cases: in
                     oracle.append({"image": rel, "label": labels[i].tolist()})
                 train, val = _split(items, val_fraction, rng)
                 for part in (train, val):
-                    _annotate_part(part, CXR_ANNOTATED_FRACTION[t], rng)
-                profile = SiteProfile(name, task, tuple(classes), tuple(CXR_SITE_CLASSES[t]), "image")
+                    _annotate_part(part, fractions[k], rng)
+                profile = SiteProfile(name, task, tuple(classes), tuple(site_classes[k]), "image")
                 write_site(tmp / name, profile, train, val, {"training": _match(oracle, train), "validation": _match(oracle, val)})
                 say(f"{name}: {n_k} images")
             labels = _cxr_labels(rng, test_cases)

@@ -39,7 +39,7 @@ from nvflare.app_common.abstract.fl_model import FLModel
 from .. import methods, privacy
 from ..bundle import bundle_path
 from ..config import FILE, RunConfig
-from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, REASON, RESUME, to_numpy
+from ..methods.base import ABSTAIN, EXTRAS, LABELED_MASK, N, PHASE, REASON, RESUME, to_numpy
 from ..profile import ScenarioError
 from ..site import flat_metrics, load_state, save_state, setup_site, state_folder, train_task, validate_task
 from .controller import FATAL, RUN, SUMMARY, TASKS, THREADS, VERSIONS, on_the_wire, versions
@@ -59,6 +59,9 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
+METRIC_FAULTS = {"metric": float("inf"), "metric_nan": float("nan"), "metric_text": "high"}
+
+
 def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict, metrics: dict | None = None,
                  timeout: int | None = None, say=say) -> tuple:
     """Deliberately corrupt this site's update, to drill the server's fault handling; returns
@@ -66,8 +69,9 @@ def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict, metrics
     hospital that goes silent mid-round; the drill ends when its process is killed). ``stall``: it
     answers only after the server's ``timeout`` has passed (a site far slower than the others, or
     hung and back later): the server has left it out of the round by then. The hostile kinds
-    (``n_text``, ``n_huge``, ``dtype``, ``strings``, ``extras``, ``metric``) send what a broken or hostile site
-    could: the server drops each with its reason."""
+    (``n_text``, ``n_huge``, ``dtype``, ``strings``, ``extras``, ``mask``) send what a broken or hostile site
+    could: the server drops each with its reason. ``metric`` (inf), ``metric_nan`` and ``metric_text`` replace
+    its validation scores: the update still counts, the score does not."""
     metrics = dict(metrics or {})
     for fault in faults:
         where, kind, when = fault.split(":")
@@ -104,8 +108,10 @@ def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict, metrics
             weights[key] = weights[key].astype(str)
         elif kind == "extras":
             meta[EXTRAS] = ["not", "a", "mapping"]
-        elif kind == "metric":
-            metrics = {k: (float("inf") if k.startswith("val_") else v) for k, v in metrics.items()}
+        elif kind == "mask":  # per-class labeled mask (Surgical, FedPSL read it) that is no number
+            meta[LABELED_MASK] = ["yes"] * len(meta.get(LABELED_MASK) or [0])
+        elif kind in METRIC_FAULTS:
+            metrics = {k: (METRIC_FAULTS[kind] if k.startswith("val_") else v) for k, v in metrics.items()}
         else:
             raise ValueError(f"unknown fault kind {kind!r}")
     return weights, meta, metrics
