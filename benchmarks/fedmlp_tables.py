@@ -78,35 +78,53 @@ PAPER = {"fedavg": {"cxr14": (50.00, 66.64, 12.16), "ich": (50.00, 76.32, 32.62)
          "rscfed_pl": {"cxr14": (50.49, 65.92, 14.70), "ich": (67.16, 71.16, 36.89)},
          "fedmlp": {"cxr14": (70.08, 75.76, 22.48), "ich": (80.07, 88.47, 59.31)}}
 METRICS = ("bacc", "auroc", "ap")
+WORDS = {6: "six", 8: "eight"}
 
 
-def data_dir(out: Path, missing: int = 7) -> Path:
-    return out / "data" / ("blood-one-class-s{seed}" if missing == 7 else f"blood-missing{missing}-s{{seed}}")
+# The data each table runs on: BloodMNIST (the ``partial`` protocol of fedlabels prepare) or the embedded
+# synthetic chest X-ray scenario with its drop-k-classes option (``fedlabels synth cxr --missing k``; 6 sites,
+# so that one finding per site covers the six).
+DATASETS = {
+    "blood": {"classes": 8, "title": "BloodMNIST, 8 sites x ~150 cases", "test": 800,
+              "data": lambda missing: "blood-one-class-s{seed}" if missing == 7 else f"blood-missing{missing}-s{{seed}}"},
+    "cxr": {"classes": 6, "title": "the synthetic chest X-ray scenario (drop k findings a site), 6 sites x 60-240 cases",
+            "test": 400, "data": lambda missing: f"cxr-missing{missing}-s{{seed}}"},
+}
 
 
-def run_dir(out: Path, name: str, missing: int = 7) -> Path:
-    return out / "runs" / (name if missing == 7 else f"{name}-missing{missing}")
+def data_dir(out: Path, missing: int = 7, dataset: str = "blood") -> Path:
+    return out / "data" / DATASETS[dataset]["data"](missing)
+
+
+def run_dir(out: Path, name: str, missing: int = 7, dataset: str = "blood") -> Path:
+    """Runs at one class per site keep the run's name; other levels say theirs."""
+    return out / "runs" / (name if missing == DATASETS[dataset]["classes"] - 1 else f"{name}-missing{missing}")
 
 
 def prepare(args, seed: int, missing: int) -> None:
-    target = Path(str(data_dir(args.out, missing)).replace("{seed}", str(seed)))
+    target = Path(str(data_dir(args.out, missing, args.dataset)).replace("{seed}", str(seed)))
     if (target / "scenario.yaml").is_file():
         return
-    cmd = [str(Path(sys.executable).with_name("fedlabels")), "prepare", "bloodmnist", "--src", str(args.src),
-           "--protocol", "partial", "--sites", "8", "--missing", str(missing), "--limit", "1200", "--test-cases", "800",
-           "--size", "32", "--seed", str(seed), "--out", str(target), "--quiet"]
-    subprocess.run(cmd, check=True)
+    fedlabels = str(Path(sys.executable).with_name("fedlabels"))
+    if args.dataset == "cxr":
+        cmd = [fedlabels, "synth", "cxr", "--sites", "6", "--missing", str(missing), "--cases", "150",
+               "--test-cases", str(DATASETS["cxr"]["test"]), "--size", "32", "--seed", str(seed), "--out", str(target)]
+    else:
+        cmd = [fedlabels, "prepare", "bloodmnist", "--src", str(args.src), "--protocol", "partial", "--sites", "8",
+               "--missing", str(missing), "--limit", "1200", "--test-cases", "800", "--size", "32", "--seed",
+               str(seed), "--out", str(target), "--quiet"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
 def bench(args, task) -> int:
     """One (run, seed): a bench process of its own, so that two can go at once (cells are per seed)."""
     name, seed, missing = task
     methods, extra = RUNS[name]
-    cmd = [str(Path(sys.executable).with_name("fedlabels")), "bench", "--data", str(data_dir(args.out, missing)),
+    cmd = [str(Path(sys.executable).with_name("fedlabels")), "bench", "--data", str(data_dir(args.out, missing, args.dataset)),
            "--methods", ",".join(methods), "--seeds", str(seed),
            *(["--protocol", args.protocol, *PRESET_COMMON] if args.protocol else COMMON), *extra,
-           "--out", str(run_dir(args.out, name, missing))]
-    log = args.out / "logs" / f"{run_dir(args.out, name, missing).name}-seed{seed}.log"
+           "--out", str(run_dir(args.out, name, missing, args.dataset))]
+    log = args.out / "logs" / f"{run_dir(args.out, name, missing, args.dataset).name}-seed{seed}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     t0 = time.time()
@@ -117,11 +135,11 @@ def bench(args, task) -> int:
     return rc
 
 
-def read_cells(out: Path, missing: int = 7) -> dict:
+def read_cells(out: Path, missing: int = 7, dataset: str = "blood") -> dict:
     """(run, row, seed) -> finished cell."""
     cells = {}
     for name in RUNS:
-        for path in sorted((run_dir(out, name, missing) / "cells").glob("*.json")):
+        for path in sorted((run_dir(out, name, missing, dataset) / "cells").glob("*.json")):
             cell = json.loads(path.read_text())
             cells[(name, cell["config"]["method"], int(cell["config"]["seed"]))] = cell
     return cells
@@ -139,12 +157,12 @@ def class_value(cell, cls, metric, model="last", rnd=30):
     return hits[0] if hits else None
 
 
-def own_classes(out: Path, seed: int, missing: int = 7) -> dict:
+def own_classes(out: Path, seed: int, missing: int = 7, dataset: str = "blood") -> dict:
     """site -> the classes it annotates, from the seed's scenario."""
     sys.path.insert(0, str(REPO / "custom"))
     from fedlabels.profile import load_scenario
 
-    sc = load_scenario(Path(str(data_dir(out, missing)).replace("{seed}", str(seed))), check_files=False,
+    sc = load_scenario(Path(str(data_dir(out, missing, dataset)).replace("{seed}", str(seed))), check_files=False,
                        with_test=False)
     return {name: list(site.profile.annotated) for name, site in sc.sites.items()}
 
@@ -163,35 +181,36 @@ def tags(cell):
     return neg, pos
 
 
-def table(out: Path, seeds, levels, protocol=None) -> str:
-    lines = ["# FedMLP's comparison on BloodMNIST, 8 sites x ~150 cases, 3 splits", "",
+def table(out: Path, seeds, levels, protocol=None, dataset: str = "blood") -> str:
+    lines = [f"# FedMLP's comparison on {DATASETS[dataset]['title']}, 3 splits", "",
              (f"Every row trains with the `{protocol}` preset (`bundles/cxr_resnet18/configs/protocols/"
               f"{protocol}.json`: 0-255 -> [-1, 1] scaling, ResNet-18 at width 0.25, 32 px, batch 16, Adam 1e-3 "
               "fresh each round). " if protocol else "Every row trains with the bundle's defaults (per-image "
               "min-max scaling). ") +
              "Last model after 30 rounds (about 300 local steps per site) and the best on validation; pooled "
-             "test split (800 cases); macro BACC at 0.5, AUROC, mAP in %; mean ± sd over the seeds' splits "
+             f"test split ({DATASETS[dataset]['test']} cases); macro BACC at 0.5, AUROC, mAP in %; mean ± sd over the seeds' splits "
              "(the count of seeds in brackets). Paper: FedMLP Tables 1-2 at one class per site "
              "(ChestX-ray14 / ICH, last-epoch model, 500 rounds, ImageNet ResNet-18, about 5,000-6,000 training cases a site: the paper splits 25,000 ICH "
              "training images over 5 sites and does not print its ChestX-ray14 count). "
              "RSCFed's sites validate only in the rounds they are drawn, so no round is a best-model candidate "
              "and its best-on-validation model is the final one."]
     for missing in levels:
-        lines += section(out, seeds, missing)
+        lines += section(out, seeds, missing, dataset)
     return "\n".join(lines) + "\n"
 
 
-def section(out: Path, seeds, missing: int) -> list:
-    cells = read_cells(out, missing)
-    keep = 8 - missing
+def section(out: Path, seeds, missing: int, dataset: str = "blood") -> list:
+    cells = read_cells(out, missing, dataset)
+    classes = DATASETS[dataset]["classes"]
+    keep = classes - missing
     rows = [("main", m, LABELS[m]) for m in RUNS["main"][0]]
-    if missing == 7:
+    if any(run != "main" for run, _, _ in cells):
         rows += [("fedmlp_t10", "fedmlp", "FedMLP, T0 = T1 = 10 %, no ST"),
                  ("fedmlp_t10_nowpc", "fedmlp", "FedMLP, T0 = T1 = 10 %, no ST, w/o WPC"),
                  ("fedmlp_t10_nocr", "fedmlp", "FedMLP, T0 = T1 = 10 %, no ST, w/o CR"),
                  ("fedmlp_nomld", "fedmlp", "FedMLP w/o MLD")]
     floor = sorted({row for (run, row, _) in cells if run == "main" and row.startswith("local:")})
-    lines = ["", f"## Each site annotates {keep} of the 8 classes (--missing {missing})", "",
+    lines = ["", f"## Each site annotates {keep} of the {classes} classes (--missing {missing})", "",
              "| row | BACC | AUROC | mAP | best-on-val AUROC | tags (neg / pos, all sites, all rounds) | "
              "paper BACC / AUROC / mAP, CXR14 | ICH |", "|---|---|---|---|---|---|---|---|"]
     for run, row, label in rows:
@@ -199,20 +218,20 @@ def section(out: Path, seeds, missing: int) -> list:
         got = [c for c in got if c is not None]
         t = [tags(c) for c in got] if row == "fedmlp" else []
         tag_text = " ; ".join(f"{n} / {p}" for n, p in t) if t else ""
-        paper = PAPER.get(row) if run == "main" and missing == 7 else None
+        paper = PAPER.get(row) if run == "main" and keep == 1 else None
         ptext = (" / ".join(f"{v:.1f}" for v in paper["cxr14"]), " / ".join(f"{v:.1f}" for v in paper["ich"])) \
             if paper else ("", "")
         lines.append(f"| {label} ({len(got)}) | " + " | ".join(fmt([value(c, m) for c in got]) for m in METRICS)
                      + f" | {fmt([value(c, 'auroc', 'best') for c in got])} | {tag_text} | {ptext[0]} | {ptext[1]} |")
     if floor:
-        lines += ["", f"Floor: each site alone (it annotates {keep} class(es); scored on all eight), 30 epochs.", "",
+        lines += ["", f"Floor: each site alone (it annotates {keep} class(es); scored on all {WORDS[classes]}), 30 epochs.", "",
                   "| site | BACC | AUROC | mAP |", "|---|---|---|---|"]
         for row in floor:
             got = [c for c in (cells.get(("main", row, s)) for s in seeds) if c is not None]
             lines.append(f"| {row} ({len(got)}) | " + " | ".join(fmt([value(c, m) for c in got]) for m in METRICS) + " |")
         own = {m: [] for m in METRICS}
         for s in seeds:
-            sites = own_classes(out, s, missing)
+            sites = own_classes(out, s, missing, dataset)
             for m in METRICS:
                 per_class = {}
                 for row in floor:
@@ -222,10 +241,10 @@ def section(out: Path, seeds, missing: int) -> list:
                         v = class_value(cells[("main", row, s)], c, m)
                         if v is not None:
                             per_class.setdefault(c, []).append(v)
-                if len(per_class) == 8:
+                if len(per_class) == classes:
                     own[m].append(float(np.mean([max(v) for v in per_class.values()])))
         lines += ["", "Local learning, one model per class: each class scored by the best of the sites that "
-                  "annotate it, trained alone (the mean over the eight classes; an optimistic floor, since the "
+                  f"annotate it, trained alone (the mean over the {WORDS[classes]} classes; an optimistic floor, since the "
                   "best site is picked on test data; at one class per site it is the one site): " + ", ".join(f"{m.upper()} {fmt(own[m])}" for m in METRICS)
                   + ". A federated row that does not beat it adds nothing over the sites' own models."]
     return lines
@@ -233,6 +252,9 @@ def section(out: Path, seeds, missing: int) -> list:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dataset", choices=list(DATASETS), default="blood",
+                   help="blood: BloodMNIST from --src; cxr: the synthetic chest X-ray scenario (fedlabels synth "
+                        "cxr --missing k, 6 sites)")
     p.add_argument("--src", default=str(REPO.parent / "shared" / "data" / "medmnist"))
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "fedmlp")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -248,19 +270,19 @@ def main():
     args = p.parse_args()
     args.out = args.out.resolve()
     if not args.table_only:
-        if not (Path(args.src) / "bloodmnist.npz").is_file():
+        if args.dataset == "blood" and not (Path(args.src) / "bloodmnist.npz").is_file():
             raise SystemExit(f"{Path(args.src) / 'bloodmnist.npz'}: not found")
         for missing in args.levels:
             for seed in args.seeds:
                 prepare(args, seed, missing)
         # level by level, seed by seed: a table fills evenly
         tasks = [(name, seed, missing) for missing in args.levels for seed in args.seeds for name in args.runs
-                 if missing == 7 or name == "main"]
+                 if missing == DATASETS[args.dataset]["classes"] - 1 or name == "main"]
         with ThreadPoolExecutor(args.jobs) as pool:
             codes = list(pool.map(lambda task: bench(args, task), tasks))
         if any(codes):
             print(f"[fedmlp] some runs failed: {dict(zip(tasks, codes))}", flush=True)
-    text = table(args.out, args.seeds, args.levels, args.protocol or None)
+    text = table(args.out, args.seeds, args.levels, args.protocol or None, args.dataset)
     tmp = args.out / ".TABLE.md"
     tmp.write_text(text)
     os.replace(tmp, args.out / "TABLE.md")
