@@ -305,14 +305,15 @@ def test_export_twin_first_and_mean_and_a_single_network_refused(tmp_path, capsy
 def test_provisioning_gives_each_hospital_its_admin_its_byoc_policy_and_guards_the_ca(tmp_path):
     """Each hospital gets its own org admin (role org_admin, its own org); a --no-byoc site's
     local/authorization.json refuses custom code for every role, the others keep nvflare's default; every
-    hospital's local/privacy.json runs its own audit record on every job; the root
+    hospital's local/privacy.json runs its own audit record on every job, a --withhold-batchnorm site's
+    after removing batch norm; the root
     CA's private key is readable by its owner only; a .gitignore covers the whole provisioning folder."""
     import stat
 
     out = tmp_path / "prov"
     assert cli.main(["provision", "--project", "study", "--server", "localhost", "--admin", "admin@example.org",
                      "--sites", "hospital-a,hospital-b", "--org-admin", "hospital-a=it@a.example.org",
-                     "--no-byoc", "hospital-b", "--out", str(out)]) == 0
+                     "--no-byoc", "hospital-b", "--withhold-batchnorm", "hospital-a", "--out", str(out)]) == 0
     spec = yaml.safe_load((out / "project.yml").read_text())
     admins = {p["name"]: (p["org"], p["role"]) for p in spec["participants"] if p["type"] == "admin"}
     assert admins == {"admin@example.org": ("fedlabels", "project_admin"),
@@ -325,11 +326,13 @@ def test_provisioning_gives_each_hospital_its_admin_its_byoc_policy_and_guards_t
         {"project_admin": "none", "org_admin": "none", "lead": "none", "member": "none"}
     assert policy["project_admin"]["submit_job"] == "any"  # only custom code is refused
     assert not (prod / "hospital-a" / "local" / "authorization.json").exists()  # nvflare's default applies
-    for site in ("hospital-a", "hospital-b"):  # every hospital's own audit record, in its default privacy scope
+    record = {"path": "fedlabels.flare.sent.SentRecord", "args": {"stage": "site"}}
+    withhold = {"path": "fedlabels.flare.withhold.WithholdBatchNorm", "args": {}}
+    for site, filters in (("hospital-a", [withhold, record]), ("hospital-b", [record])):
+        # every hospital's own audit record in its default privacy scope, after hospital-a's batch-norm rule
         scope = json.loads((prod / site / "local" / "privacy.json").read_text())
         assert scope["default_scope"] == "fedlabels" and [s["name"] for s in scope["scopes"]] == ["fedlabels"]
-        assert scope["scopes"][0]["task_result_filters"] == [{"path": "fedlabels.flare.sent.SentRecord",
-                                                               "args": {"stage": "site"}}]
+        assert scope["scopes"][0]["task_result_filters"] == filters
     assert not (prod / "localhost" / "local" / "privacy.json").exists()
     assert stat.S_IMODE((out / "study" / "state" / "cert.json").stat().st_mode) == 0o600
     assert stat.S_IMODE((out / "study" / "state").stat().st_mode) == 0o700

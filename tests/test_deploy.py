@@ -431,9 +431,13 @@ def test_a_server_killed_at_any_point_resumes_to_the_uninterrupted_model(fed):
     has no round left: it writes the checkpoint's model). That global model equals 4 uninterrupted rounds
     of the in-process engine, the engine the FLARE controller runs
     (FLARE = in-process: tests/test_flare.py). Then site-2 loses its saved state and the last round is
-    resumed again: it joins from the global model."""
+    resumed again: it joins from the global model, restarted with its own rule that its batch norm never
+    leaves it (its privacy.json), which its record of what it sent shows."""
+    from fedlabels.bundle import network
     from fedlabels.checkpoint import read_checkpoint
     from fedlabels.flare.job import JOBS
+    from fedlabels.flare.provision import site_policy
+    from fedlabels.nets import batchnorm_keys
     from fedlabels.references import federate, setups
 
     server_kit = fed["kits"]["localhost"]
@@ -501,17 +505,30 @@ def test_a_server_killed_at_any_point_resumes_to_the_uninterrupted_model(fed):
     for k in resumed:
         np.testing.assert_allclose(np.asarray(resumed[k]), straight[k], rtol=0, atol=1e-5, err_msg=k)
 
-    # site-2 lost its saved state (a replaced machine, or a site new to the run): it joins from the global model
+    # site-2 lost its saved state (a replaced machine, or a site new to the run): it joins from the global
+    # model. It comes back with its own rule that batch norm never leaves it (provision --withhold-batchnorm):
+    # its record of what it sent, taken after that rule and before the job's filters, holds no batch norm.
     lost = list(fed["kits"]["site-2"].rglob(f"fedlabels_state/{run}/site-2"))
     assert lost, "site-2 saved no state under its kit"
     for folder in lost:
         shutil.rmtree(folder)
+    fed["sites"]["site-2"].stop()
+    site_policy(fed["kits"]["site-2"], withhold_batchnorm=True)
+    fed["sites"]["site-2"].start()
+    wait_for_sites(fed["admin"], SITES)
+    t1 = time.time()
     f, job_id, _, recs = leg(c)
     assert recs == [3]
     assert ("[site-2] no saved state of this run before round 3" in site_log(fed, "site-2", job_id)
             and "joins from the global model" in site_log(fed, "site-2", job_id))
     last = json.loads((f / "metrics.jsonl").read_text().splitlines()[-1])
     assert sorted(last["sites"]) == list(SITES)  # both trained the last round
+    bn = set(batchnorm_keys(network(REPO / "bundles" / spec.bundle)))
+    for site, has_bn in (("site-1", True), ("site-2", False)):
+        lines = (fed["kits"][site] / "fedlabels_sent" / f"{site}.site.jsonl").read_text().splitlines()
+        trained = [e for e in map(json.loads, lines) if e["time"] > t1 and e["task"] == "train"]
+        assert len(trained) == 1 and bool(bn & set(trained[0]["weights"])) == has_bn, (site, sorted(trained[0]["weights"])[:5])
+    assert "withheld" in site_log(fed, "site-2", job_id) and "batch-norm entries" in site_log(fed, "site-2", job_id)
 
 
 def test_the_same_job_runs_in_poc_mode(tmp_path):

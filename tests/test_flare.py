@@ -552,6 +552,64 @@ def test_exclude_filter_removes_exactly_the_batch_norm_keys_from_a_result_and_th
     assert entry["array_bytes"] == sum(v.nbytes for k, v in state.items() if k not in bn)
 
 
+@pytest.mark.parametrize("bundle", ["cxr_densenet121", "cxr_resnet18", "medmnist_cnn", "lesion_unet"])
+def test_the_batch_norm_told_from_names_alone_is_the_networks(bundle):
+    """What a hospital's WithholdBatchNorm finds in a reply without the network is what FedBN keeps local."""
+    from fedlabels.bundle import bundle_path, network
+    from fedlabels.nets import batchnorm_keys, batchnorm_keys_by_name
+
+    net = network(bundle_path(bundle))
+    assert sorted(batchnorm_keys_by_name(net.state_dict())) == sorted(batchnorm_keys(net))
+    assert batchnorm_keys_by_name(["a.weight", "a.running_var", "b.running_mean_x", "c.running_mean",
+                                   "c.weight", "c.bias", "cc.weight", "c.extra"]) == ["c.running_mean", "c.weight",
+                                                                                     "c.bias"]
+
+
+def test_a_hospital_that_withholds_batch_norm_removes_it_from_every_reply_and_refuses_jobs_that_average_it(
+        tmp_path):
+    """The site's own WithholdBatchNorm (its privacy.json, ``provision --withhold-batchnorm``) on real nvflare
+    replies of a FedAvg job (which does not withhold): train and submit_model lose exactly the batch norm,
+    a validation reply passes untouched. Such a hospital's client refuses a FedAvg job before round 0 and
+    takes a FedBN one."""
+    from types import SimpleNamespace
+
+    from nvflare.apis.dxo import from_shareable
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.app_common.abstract.fl_model import FLModel
+    from nvflare.app_common.utils.fl_model_utils import FLModelUtils
+
+    from fedlabels.bundle import bundle_path, network
+    from fedlabels.flare.client import check_site_withholds
+    from fedlabels.flare.provision import site_policy
+    from fedlabels.flare.withhold import WithholdBatchNorm
+    from fedlabels.methods.base import to_numpy
+    from fedlabels.nets import batchnorm_keys
+
+    net = network(bundle_path("cxr_densenet121"))
+    state, bn = to_numpy(net.state_dict()), set(batchnorm_keys(net))
+    for reply in (FLModel(params=dict(state), metrics={"train_loss": 0.5}, meta={"n": 8}), FLModel(params=dict(state))):
+        out = WithholdBatchNorm().process(FLModelUtils.to_shareable(reply), FLContext())
+        dxo = from_shareable(out)
+        assert set(dxo.data) == set(state) - bn and len(bn) > 100
+        assert all(v is state[k] for k, v in dxo.data.items())
+    metrics = FLModelUtils.to_shareable(FLModel(metrics={"val_auroc": 0.7}))
+    assert from_shareable(WithholdBatchNorm().process(metrics, FLContext())).data == {"val_auroc": 0.7}
+
+    kit = tmp_path / "hospital-a"  # a provisioned kit: the job's custom folder is <kit>/<job>/app_<site>/custom
+    here = kit / "job-1" / "app_hospital-a" / "custom"
+    here.mkdir(parents=True)
+    (kit / "startup").mkdir()
+    (kit / "startup" / "rootCA.pem").write_text("")
+    fedavg = SimpleNamespace(net=net, local_keys=[], bn_policy="fedavg")
+    fedbn = SimpleNamespace(net=net, local_keys=sorted(bn), bn_policy="fedbn")
+    site_policy(kit)  # the default policy: the audit record only
+    check_site_withholds(fedavg, here)
+    site_policy(kit, withhold_batchnorm=True)
+    with pytest.raises(ValueError, match=r"withholds its batch norm .*bn_policy 'fedavg' averages it \(\d+ keys"):
+        check_site_withholds(fedavg, here)
+    check_site_withholds(fedbn, here)
+
+
 @pytest.mark.simulator
 def test_fedbn_batch_norm_never_leaves_a_site_and_its_personal_model_carries_it(job_runs, data, tmp_path, capsys):
     """In the real simulator: no task a FedBN site sent carries a batch-norm key (its audit record,

@@ -209,6 +209,17 @@ def batchnorm_keys(net: nn.Module) -> list:
     return keys
 
 
+def batchnorm_keys_by_name(keys) -> list:
+    """The keys of ``keys`` (a state dict's names) that belong to a batch-norm layer, told from the names
+    alone: a layer with running statistics keeps ``<layer>.running_mean``, and its weight, bias, running
+    variance and batch count sit beside it. What a filter can find in a reply without the network
+    (``flare.withhold``); equals ``batchnorm_keys`` for layers that track statistics (torch's default)."""
+    keys = list(keys)
+    layers = {k[: -len("running_mean")] for k in keys if k.endswith(".running_mean")}
+    return [k for k in keys if k[: k.rfind(".") + 1] in layers
+            and k[k.rfind(".") + 1:] in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")]
+
+
 def freeze_batchnorm(net: nn.Module) -> None:
     """FedBN+: batch norm in inference mode at its current statistics, not trained."""
     for mod in net.modules():

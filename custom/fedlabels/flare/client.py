@@ -40,9 +40,11 @@ from .. import methods, privacy
 from ..bundle import bundle_path
 from ..config import FILE, RunConfig
 from ..methods.base import ABSTAIN, EXTRAS, LABELED_MASK, N, PHASE, REASON, RESUME, to_numpy
+from ..nets import batchnorm_keys
 from ..profile import ScenarioError
 from ..site import flat_metrics, load_state, save_state, setup_site, state_folder, train_task, validate_task
 from .controller import FATAL, RUN, SUMMARY, TASKS, THREADS, VERSIONS, on_the_wire, versions
+from .withhold import PATH as WITHHOLD_BN
 
 
 def build_parser():
@@ -163,6 +165,7 @@ def prepare(cfg: RunConfig, args, site: str, here: Path | None, say=say):
             + f"; the ledger {ledger} records {releases} release(s) of this site: epsilon {total:.4g} in all")
     client = method.make_client(setup.net, setup.context(), **cfg.client)
     check_local_keys(client, here)
+    check_site_withholds(client, here)
     return setup, client
 
 
@@ -178,6 +181,23 @@ def redact(message):
     if not message:
         return message
     return _PATH.sub("<local file>", str(message)) + " (the site's log has the full message)"
+
+
+def check_site_withholds(client, here: Path | None) -> None:
+    """A hospital whose kit's ``local/privacy.json`` withholds batch norm (``flare.withhold``) takes part
+    only in jobs that keep it at the site: the updates of a job that averages it would lack those keys
+    and be dropped every round. Refused here, before round 0, with the reason."""
+    if here is None or not provisioned(here):
+        return
+    path = Path(here).resolve().parents[2] / "local" / "privacy.json"
+    if not path.is_file() or WITHHOLD_BN not in path.read_text():
+        return
+    sent = sorted(set(batchnorm_keys(client.net)) - set(client.local_keys))
+    if sent:
+        raise ValueError(f"this hospital withholds its batch norm from every reply ({path.name}: {WITHHOLD_BN}), "
+                         f"and this job's bn_policy {client.bn_policy!r} averages it ({len(sent)} keys, e.g. "
+                         f"{sent[0]!r}): it takes part only in jobs whose bn_policy keeps batch norm at the site "
+                         "(fedbn, fedbn+)")
 
 
 def check_local_keys(client, here: Path | None) -> None:

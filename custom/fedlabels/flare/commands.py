@@ -242,9 +242,12 @@ def cmd_provision(args):
         if not sep:
             raise ValueError(f"--org-admin {item!r}: expected SITE=EMAIL")
         org_admins[site.strip()] = email.strip()
-    no_byoc = sites if args.no_byoc == "all" else [s.strip() for s in (args.no_byoc or "").split(",") if s.strip()]
+    def named(value):
+        return sites if value == "all" else [s.strip() for s in (value or "").split(",") if s.strip()]
+
     kits = provision(args.out, args.project, args.server, sites, args.admin, args.fl_port, args.admin_port,
-                     org_admins=org_admins, no_byoc=no_byoc)
+                     org_admins=org_admins, no_byoc=named(args.no_byoc),
+                     withhold_batchnorm=named(args.withhold_batchnorm))
     for name, kit in kits.items():
         print(f"{name:<24} {kit}")
     print("give each participant its own folder; each installs its startup/requirements.txt "
@@ -480,6 +483,9 @@ def add_parsers(sub):
     s.add_argument("--no-byoc", metavar="SITES",
                    help="comma-separated hospitals (or 'all') that refuse every job carrying custom code "
                         "(their local/authorization.json)")
+    s.add_argument("--withhold-batchnorm", metavar="SITES",
+                   help="comma-separated hospitals (or 'all') whose local/privacy.json removes batch norm from "
+                        "every reply, whatever the job says: they take part in FedBN-style jobs only")
     s.set_defaults(fn=cmd_provision)
 
     s = sub.add_parser("report", help="test-set per-class table of finished runs' global models")

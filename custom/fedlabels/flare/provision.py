@@ -15,8 +15,9 @@ it. Production jobs carry configuration only (``fedlabels.flare.job.build_job``
 with ``installed``): they name classes of the installed packages, and every
 kit's ``local/resources.json`` adds exactly those (``ALLOWED``) to nvflare's
 class allow list, which a site enforces on every job without custom code. Every hospital kit's
-``local/privacy.json`` (``SITE_POLICY``) runs the site's own audit record on every job's replies,
-whatever the job's configuration says (``fedlabels.flare.sent``). The root CA's private key (``state/cert.json``) is readable by its owner
+``local/privacy.json`` (``site_policy``) runs the site's own audit record on every job's replies,
+whatever the job's configuration says (``fedlabels.flare.sent``), after ``--withhold-batchnorm``'s filter
+where the hospital keeps its batch norm in every job (``fedlabels.flare.withhold``). The root CA's private key (``state/cert.json``) is readable by its owner
 only, and the provisioning folder gets a ``.gitignore`` so that no kit or key
 is committed by accident. Deployment guide: ``docs/deployment.md``.
 """
@@ -37,6 +38,7 @@ from nvflare.apis.utils.format_check import name_check
 from nvflare.lighter.spec import Builder
 
 from ..profile import write_atomic
+from .withhold import PATH as WITHHOLD_BN
 
 PINNED = ("fedlabels", "nvflare", "monai", "torch")
 # What a production job's configuration names beyond nvflare's default allow list: our controller, site
@@ -171,14 +173,17 @@ def allow_fedlabels(kit: Path) -> Path:
 # A hospital's own privacy policy (nvflare's local/privacy.json): one scope, the default, so that every job
 # runs its filters whatever the job's configuration says (a job naming any other scope is refused at deployment).
 SITE_SCOPE = "fedlabels"
-SITE_POLICY = {"scopes": [{"name": SITE_SCOPE, "task_result_filters": [
-    {"path": "fedlabels.flare.sent.SentRecord", "args": {"stage": "site"}}]}], "default_scope": SITE_SCOPE}
+SITE_RECORD = {"path": "fedlabels.flare.sent.SentRecord", "args": {"stage": "site"}}
 
 
-def site_policy(kit: Path) -> Path:
-    """The hospital kit's ``local/privacy.json``: its audit record of every reply (``SentRecord(stage="site")``)."""
+def site_policy(kit: Path, withhold_batchnorm: bool = False) -> Path:
+    """The hospital kit's ``local/privacy.json``: its audit record of every reply (``SentRecord(stage="site")``),
+    after ``WithholdBatchNorm`` (flare/withhold.py) where the hospital keeps its batch norm whatever the job
+    says, so that the record shows what leaves."""
+    filters = ([{"path": WITHHOLD_BN, "args": {}}] if withhold_batchnorm else []) + [SITE_RECORD]
+    policy = {"scopes": [{"name": SITE_SCOPE, "task_result_filters": filters}], "default_scope": SITE_SCOPE}
     path = Path(kit) / "local" / "privacy.json"
-    write_atomic(path, json.dumps(SITE_POLICY, indent=2).encode())
+    write_atomic(path, json.dumps(policy, indent=2).encode())
     return path
 
 
@@ -194,17 +199,19 @@ def protect(out: Path, name: str) -> None:
 
 
 def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int = 8002,
-              admin_port: int = 8003, org_admins: dict | None = None, no_byoc=()) -> dict:
+              admin_port: int = 8003, org_admins: dict | None = None, no_byoc=(), withhold_batchnorm=()) -> dict:
     """Write ``out/project.yml`` and run ``nvflare provision``; {participant: startup kit folder}.
-    ``no_byoc``: sites whose ``local/authorization.json`` refuses jobs with custom code.
+    ``no_byoc``: sites whose ``local/authorization.json`` refuses jobs with custom code;
+    ``withhold_batchnorm``: sites whose ``local/privacy.json`` removes batch norm from every reply.
 
     Provisioning again into the same ``out`` keeps the root CA (nvflare's state
     folder) and writes the next ``prod_NN``."""
     out = Path(out)
     spec = project(name, server, sites, admin, fl_port, admin_port, org_admins=org_admins)
-    unknown = sorted(set(no_byoc) - set(sites))
-    if unknown:
-        raise ProvisionError(f"--no-byoc {unknown[0]!r}: not one of --sites {sites}")
+    for option, named in (("--no-byoc", no_byoc), ("--withhold-batchnorm", withhold_batchnorm)):
+        unknown = sorted(set(named) - set(sites))
+        if unknown:
+            raise ProvisionError(f"{option} {unknown[0]!r}: not one of --sites {sites}")
     out.mkdir(parents=True, exist_ok=True)
     project_file = out / "project.yml"
     write_atomic(project_file, yaml.safe_dump(spec, sort_keys=False).encode())
@@ -219,7 +226,7 @@ def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int
         if p["type"] in ("server", "client"):
             allow_fedlabels(kits[p["name"]])
         if p["type"] == "client":
-            site_policy(kits[p["name"]])
+            site_policy(kits[p["name"]], withhold_batchnorm=p["name"] in withhold_batchnorm)
     for site in no_byoc:
         local = kits[site] / "local"
         default = json.loads((local / "authorization.json.default").read_text())
