@@ -200,7 +200,7 @@ def test_bad_worker_processes_and_site_count_are_one_line_before_anything_runs(t
     assert "--threads must be between 1 and the number of sites (2), not 3" in _one_error_line(results["threads"])
     assert "--sites must be >= 1, not 0" in _one_error_line(results["sites"])
     assert "--missing applies to the cxr family, not lesion" in _one_error_line(results["missing"])
-    assert "4 sites annotating 1 classes each cannot cover all 6 classes" in _one_error_line(results["cover"])
+    assert "4 sites annotating 1 class each cannot cover all 6 classes" in _one_error_line(results["cover"])
     assert not ws.exists() and not out.exists()
 
 

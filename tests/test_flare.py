@@ -585,13 +585,19 @@ def test_a_hospital_that_withholds_batch_norm_removes_it_from_every_reply_and_re
     from fedlabels.methods.base import to_numpy
     from fedlabels.nets import batchnorm_keys
 
+    from nvflare.app_common.abstract.fl_model import ParamsType
+
     net = network(bundle_path("cxr_densenet121"))
     state, bn = to_numpy(net.state_dict()), set(batchnorm_keys(net))
-    for reply in (FLModel(params=dict(state), metrics={"train_loss": 0.5}, meta={"n": 8}), FLModel(params=dict(state))):
+    for reply in (FLModel(params=dict(state), metrics={"train_loss": 0.5}, meta={"n": 8}),  # train
+                  FLModel(params=dict(state)),  # submit_model
+                  FLModel(params=dict(state), params_type=ParamsType.DIFF, meta={"n": 8})):  # a weight difference
         out = WithholdBatchNorm().process(FLModelUtils.to_shareable(reply), FLContext())
         dxo = from_shareable(out)
         assert set(dxo.data) == set(state) - bn and len(bn) > 100
         assert all(v is state[k] for k, v in dxo.data.items())
+        back = FLModelUtils.from_shareable(out)
+        assert back.meta.get("n") == reply.meta.get("n") and back.metrics == reply.metrics  # the rest travels
     metrics = FLModelUtils.to_shareable(FLModel(metrics={"val_auroc": 0.7}))
     assert from_shareable(WithholdBatchNorm().process(metrics, FLContext())).data == {"val_auroc": 0.7}
 
@@ -608,6 +614,11 @@ def test_a_hospital_that_withholds_batch_norm_removes_it_from_every_reply_and_re
     with pytest.raises(ValueError, match=r"withholds its batch norm .*bn_policy 'fedavg' averages it \(\d+ keys"):
         check_site_withholds(fedavg, here)
     check_site_withholds(fedbn, here)
+    check_site_withholds(SimpleNamespace(net=network(bundle_path("medmnist_cnn")), local_keys=[], bn_policy="fedavg"),
+                         here)  # a network without batch norm runs as usual
+    untracked = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2, track_running_stats=False))
+    with pytest.raises(ValueError, match=r"batch norm '1.bias' keeps no running statistics"):
+        check_site_withholds(SimpleNamespace(net=untracked, local_keys=["1.weight", "1.bias"], bn_policy="fedbn"), here)
 
 
 @pytest.mark.simulator

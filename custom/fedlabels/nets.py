@@ -214,8 +214,8 @@ def batchnorm_keys_by_name(keys) -> list:
     alone: a layer with running statistics keeps ``<layer>.running_mean``, and its weight, bias, running
     variance and batch count sit beside it. What a filter can find in a reply without the network
     (``flare.withhold``); equals ``batchnorm_keys`` for layers that track statistics (torch's default)."""
-    keys = list(keys)
-    layers = {k[: -len("running_mean")] for k in keys if k.endswith(".running_mean")}
+    keys = [k for k in keys if isinstance(k, str)]
+    layers = {k[: -len("running_mean")] for k in keys if k == "running_mean" or k.endswith(".running_mean")}
     return [k for k in keys if k[: k.rfind(".") + 1] in layers
             and k[k.rfind(".") + 1:] in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")]
 

@@ -138,7 +138,8 @@ def missing_class_sets(num_classes: int, num_sites: int, missing: int, rng) -> l
     if not 0 <= missing < num_classes:
         raise PrepareError(f"--missing must be in 0..{num_classes - 1} for {num_classes} classes, got {missing}")
     if keep * num_sites < num_classes:
-        raise PrepareError(f"{num_sites} sites annotating {keep} classes each cannot cover all {num_classes} classes; "
+        raise PrepareError(f"{num_sites} sites annotating {keep} class{'es' if keep != 1 else ''} each cannot cover "
+                           f"all {num_classes} classes; "
                            f"use more sites or a smaller --missing")
     sets = [set() for _ in range(num_sites)]
     perm = rng.permutation(num_classes)

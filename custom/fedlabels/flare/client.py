@@ -40,7 +40,7 @@ from .. import methods, privacy
 from ..bundle import bundle_path
 from ..config import FILE, RunConfig
 from ..methods.base import ABSTAIN, EXTRAS, LABELED_MASK, N, PHASE, REASON, RESUME, to_numpy
-from ..nets import batchnorm_keys
+from ..nets import batchnorm_keys, batchnorm_keys_by_name
 from ..profile import ScenarioError
 from ..site import flat_metrics, load_state, save_state, setup_site, state_folder, train_task, validate_task
 from .controller import FATAL, RUN, SUMMARY, TASKS, THREADS, VERSIONS, on_the_wire, versions
@@ -186,18 +186,31 @@ def redact(message):
 def check_site_withholds(client, here: Path | None) -> None:
     """A hospital whose kit's ``local/privacy.json`` withholds batch norm (``flare.withhold``) takes part
     only in jobs that keep it at the site: the updates of a job that averages it would lack those keys
-    and be dropped every round. Refused here, before round 0, with the reason."""
+    and be dropped every round. Refused here, before round 0, with the reason; so is a network whose
+    batch norm the filter cannot find by name (no running statistics), which would leave."""
     if here is None or not provisioned(here):
         return
     path = Path(here).resolve().parents[2] / "local" / "privacy.json"
-    if not path.is_file() or WITHHOLD_BN not in path.read_text():
+    try:
+        policy = json.loads(path.read_text()) if path.is_file() else {}
+        scope = next(s for s in policy.get("scopes", []) if s.get("name") == policy.get("default_scope"))
+        withholds = any(f.get("path") == WITHHOLD_BN for f in scope.get("task_result_filters", []))
+    except (ValueError, StopIteration, AttributeError, TypeError):
+        return  # no readable default scope: nvflare itself refuses to start on a broken privacy.json
+    if not withholds:
         return
-    sent = sorted(set(batchnorm_keys(client.net)) - set(client.local_keys))
+    by_name = set(batchnorm_keys_by_name(client.net.state_dict()))
+    unseen = sorted(set(batchnorm_keys(client.net)) - by_name)
+    if unseen:
+        raise ValueError(f"this hospital withholds its batch norm from every reply ({path.name}: {WITHHOLD_BN}), "
+                         f"but this network's batch norm {unseen[0]!r} keeps no running statistics, so the filter "
+                         "cannot find it by name and it would leave")
+    sent = sorted(by_name - set(client.local_keys))
     if sent:
         raise ValueError(f"this hospital withholds its batch norm from every reply ({path.name}: {WITHHOLD_BN}), "
                          f"and this job's bn_policy {client.bn_policy!r} averages it ({len(sent)} keys, e.g. "
-                         f"{sent[0]!r}): it takes part only in jobs whose bn_policy keeps batch norm at the site "
-                         "(fedbn, fedbn+)")
+                         f"{sent[0]!r}): jobs whose network has batch norm run here only with a bn_policy that "
+                         "keeps it at the site (fedbn, fedbn+)")
 
 
 def check_local_keys(client, here: Path | None) -> None:

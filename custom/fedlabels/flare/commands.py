@@ -485,7 +485,7 @@ def add_parsers(sub):
                         "(their local/authorization.json)")
     s.add_argument("--withhold-batchnorm", metavar="SITES",
                    help="comma-separated hospitals (or 'all') whose local/privacy.json removes batch norm from "
-                        "every reply, whatever the job says: they take part in FedBN-style jobs only")
+                        "every reply, whatever the job says: they refuse jobs that average batch norm")
     s.set_defaults(fn=cmd_provision)
 
     s = sub.add_parser("report", help="test-set per-class table of finished runs' global models")
