@@ -306,14 +306,15 @@ def test_provisioning_gives_each_hospital_its_admin_its_byoc_policy_and_guards_t
     """Each hospital gets its own org admin (role org_admin, its own org); a --no-byoc site's
     local/authorization.json refuses custom code for every role, the others keep nvflare's default; every
     hospital's local/privacy.json runs its own audit record on every job, a --withhold-batchnorm site's
-    after removing batch norm; the root
+    after removing batch norm, and a --noise-summary site's holds its own privacy options; the root
     CA's private key is readable by its owner only; a .gitignore covers the whole provisioning folder."""
     import stat
 
     out = tmp_path / "prov"
     assert cli.main(["provision", "--project", "study", "--server", "localhost", "--admin", "admin@example.org",
                      "--sites", "hospital-a,hospital-b", "--org-admin", "hospital-a=it@a.example.org",
-                     "--no-byoc", "hospital-b", "--withhold-batchnorm", "hospital-a", "--out", str(out)]) == 0
+                     "--no-byoc", "hospital-b", "--withhold-batchnorm", "hospital-a", "--noise-summary", "hospital-b",
+                     "--out", str(out)]) == 0
     spec = yaml.safe_load((out / "project.yml").read_text())
     admins = {p["name"]: (p["org"], p["role"]) for p in spec["participants"] if p["type"] == "admin"}
     assert admins == {"admin@example.org": ("fedlabels", "project_admin"),
@@ -333,6 +334,9 @@ def test_provisioning_gives_each_hospital_its_admin_its_byoc_policy_and_guards_t
         scope = json.loads((prod / site / "local" / "privacy.json").read_text())
         assert scope["default_scope"] == "fedlabels" and [s["name"] for s in scope["scopes"]] == ["fedlabels"]
         assert scope["scopes"][0]["task_result_filters"] == filters
+        assert scope["scopes"][0].get("properties") == ({"fedlabels_privacy": {"noise_multiplier": 1.0, "clip": 4.0,
+                                                                               "delta": 1e-05}}
+                                                        if site == "hospital-b" else None)
     assert not (prod / "localhost" / "local" / "privacy.json").exists()
     assert stat.S_IMODE((out / "study" / "state" / "cert.json").stat().st_mode) == 0o600
     assert stat.S_IMODE((out / "study" / "state").stat().st_mode) == 0o700

@@ -164,12 +164,17 @@ def test_job_py_sets_the_site_timeout(tmp_path, capsys):
     assert "--site-timeout 0: must be >= 1" in capsys.readouterr().err
 
 
-def test_privacy_noise_widens_the_case_bound():
+def test_privacy_noise_widens_the_case_bound_of_the_sites_that_noised():
+    """The bound follows each site's own report (the job's option or the hospital's privacy.json), not
+    the job's option: a site that noised under a job without the option is not dropped for it."""
     from fedlabels.config import RunConfig
     from fedlabels.flare.controller import case_bounds
 
-    cfg = RunConfig(method="fedavg", privacy={"noise_multiplier": 1.0, "clip": 1.5, "delta": 1e-5})
-    assert case_bounds({"a": {"cases": 10}, "b": {"cases": "x"}}, cfg) == {"a": 10 + 9}  # 6 x 1.0 x 1.5
+    report = {"noise_multiplier": 1.0, "clip": 1.5, "epsilon": 2.0, "delta": 1e-5, "releases": 1}
+    for privacy in ({"noise_multiplier": 1.0, "clip": 1.5, "delta": 1e-5}, {}):
+        cfg = RunConfig(method="fedavg", privacy=privacy)
+        assert case_bounds({"a": {"cases": 10, "privacy": report}, "b": {"cases": "x"}, "c": {"cases": 10}}, cfg) \
+            == {"a": 10 + 9, "c": 10}  # 6 x 1.0 x 1.5 where noised
 
 
 def test_committed_jobs_match_their_code(tmp_path):
@@ -550,6 +555,47 @@ def test_exclude_filter_removes_exactly_the_batch_norm_keys_from_a_result_and_th
     entry = json.loads(line)
     assert set(entry["weights"]) == set(state) - bn
     assert entry["array_bytes"] == sum(v.nbytes for k, v in state.items() if k not in bn)
+
+
+def test_a_hospital_that_noises_its_summary_does_so_whatever_the_job_says(tmp_path, monkeypatch):
+    """A kit whose privacy.json holds its own privacy options (``provision --noise-summary``): the site's
+    run configuration takes them in place of the job's (off, or other numbers), its first reply carries the
+    noised summary and its report, and the server's case bound follows that report. A bad option names the
+    file and field before anything is released; outside a kit nothing changes."""
+    from argparse import Namespace
+
+    from fedlabels.config import RunConfig
+    from fedlabels.flare.client import prepare, site_privacy
+    from fedlabels.flare.controller import case_bounds
+    from fedlabels.flare.provision import SITE_NOISE, site_policy
+
+    kit = tmp_path / "site-1"
+    here = kit / "job-1" / "app_site-1" / "custom"
+    here.mkdir(parents=True)
+    (kit / "startup").mkdir()
+    (kit / "startup" / "rootCA.pem").write_text("")
+    monkeypatch.setenv("FEDLABELS_PRIVACY_LEDGER", str(tmp_path / "ledger.json"))
+    data = generate("cxr", tmp_path / "data", seed=0, cases=16, test_cases=4, size=32, sites=2)
+    lines = []
+    for job_privacy in ({}, {"noise_multiplier": 3.0, "clip": 4.0, "delta": 1e-6}):
+        cfg = RunConfig(method="fedavg", bundle="cxr_resnet18", network={"widen_factor": 0.25},
+                        privacy=dict(job_privacy))
+        site_privacy(cfg, here, lines.append)
+        assert cfg.privacy == job_privacy and not lines  # the default policy: the job's choice stands
+    site_policy(kit, noise_summary=SITE_NOISE)
+    cfg = RunConfig(method="fedavg", bundle="cxr_resnet18", network={"widen_factor": 0.25})
+    setup, _ = prepare(cfg, Namespace(data=str(data), device="cpu"), "site-1", here, lines.append)
+    assert cfg.privacy == SITE_NOISE and "replaces the job's exact counts" in lines[0]
+    summary = setup.summary()
+    assert summary["privacy"]["noise_multiplier"] == 1.0 and summary["privacy"]["clip"] == 4.0
+    assert case_bounds({"site-1": summary}, RunConfig(method="fedavg")) == {"site-1": summary["cases"] + 24}
+    site_policy(kit, noise_summary={**SITE_NOISE, "delta": 2.0})
+    with pytest.raises(ValueError, match=r"local/privacy.json: field 'properties.fedlabels_privacy.delta': "
+                                         r"must lie in \(0, 1\)"):
+        site_privacy(RunConfig(method="fedavg"), here)
+    cfg = RunConfig(method="fedavg")
+    site_privacy(cfg, tmp_path / "not-a-kit" / "custom")
+    assert cfg.privacy == {}
 
 
 @pytest.mark.parametrize("bundle", ["cxr_densenet121", "cxr_resnet18", "medmnist_cnn", "lesion_unet"])

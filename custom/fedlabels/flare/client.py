@@ -149,6 +149,7 @@ def data_root(args, cfg: RunConfig, here: Path | None = None) -> Path:
 def prepare(cfg: RunConfig, args, site: str, here: Path | None, say=say):
     """Everything a site needs, validated before the first round."""
     cfg.validate("client")
+    site_privacy(cfg, here, say)
     method = methods.get(cfg.method)
     setup = setup_site(bundle_path(cfg.bundle, here), data_root(args, cfg, here), site,
                        batch_size=cfg.data.get("batch_size"),
@@ -183,22 +184,51 @@ def redact(message):
     return _PATH.sub("<local file>", str(message)) + " (the site's log has the full message)"
 
 
+SITE_PRIVACY = "fedlabels_privacy"  # the hospital's own label-summary noise: a property of its privacy scope
+
+
+def site_scope(here: Path | None) -> dict:
+    """The default scope of the kit's ``local/privacy.json`` (the hospital's own policy; provision.site_policy),
+    or {} outside a provisioned kit or when there is none readable (nvflare refuses to start on a broken one)."""
+    if here is None or not provisioned(here):
+        return {}
+    path = Path(here).resolve().parents[2] / "local" / "privacy.json"
+    try:
+        policy = json.loads(path.read_text()) if path.is_file() else {}
+        scope = next(s for s in policy.get("scopes", []) if s.get("name") == policy.get("default_scope"))
+    except (ValueError, StopIteration, AttributeError, TypeError):
+        return {}
+    return scope if isinstance(scope, dict) else {}
+
+
+def site_privacy(cfg: RunConfig, here: Path | None, say=say) -> None:
+    """A hospital that noises its label summary itself (its privacy scope's ``properties.fedlabels_privacy``,
+    ``fedlabels provision --noise-summary``) does so whatever the job says: its options replace the job's
+    ``privacy`` for this site. The server bounds each site's case count by the noise its report states."""
+    props = site_scope(here).get("properties")
+    own = props.get(SITE_PRIVACY) if isinstance(props, dict) else None
+    if own is None:
+        return
+    try:
+        privacy.options(own)
+    except privacy.OptionError as e:
+        where = f"properties.{SITE_PRIVACY}" + (f".{e.key}" if e.key else "")
+        raise ValueError(f"{Path(here).resolve().parents[2] / 'local' / 'privacy.json'}: field '{where}': {e}") from None
+    if own != cfg.privacy:
+        say(f"the hospital's own label-summary noise ({SITE_PRIVACY} in its privacy.json) replaces the job's "
+            f"{cfg.privacy or 'exact counts'}: {own}")
+    cfg.privacy = dict(own)
+
+
 def check_site_withholds(client, here: Path | None) -> None:
     """A hospital whose kit's ``local/privacy.json`` withholds batch norm (``flare.withhold``) takes part
     only in jobs that keep it at the site: the updates of a job that averages it would lack those keys
     and be dropped every round. Refused here, before round 0, with the reason; so is a network whose
     batch norm the filter cannot find by name (no running statistics), which would leave."""
-    if here is None or not provisioned(here):
+    scope = site_scope(here)
+    if not any(isinstance(f, dict) and f.get("path") == WITHHOLD_BN for f in scope.get("task_result_filters", [])):
         return
     path = Path(here).resolve().parents[2] / "local" / "privacy.json"
-    try:
-        policy = json.loads(path.read_text()) if path.is_file() else {}
-        scope = next(s for s in policy.get("scopes", []) if s.get("name") == policy.get("default_scope"))
-        withholds = any(f.get("path") == WITHHOLD_BN for f in scope.get("task_result_filters", []))
-    except (ValueError, StopIteration, AttributeError, TypeError):
-        return  # no readable default scope: nvflare itself refuses to start on a broken privacy.json
-    if not withholds:
-        return
     by_name = set(batchnorm_keys_by_name(client.net.state_dict()))
     unseen = sorted(set(batchnorm_keys(client.net)) - by_name)
     if unseen:

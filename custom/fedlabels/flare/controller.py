@@ -40,7 +40,7 @@ from ..checkpoint import read_checkpoint, write_checkpoint
 from ..config import DEFAULT_SITE_TIMEOUT, FILE, RunConfig
 from ..engine import NoProgress, RoundEngine, clean_metrics
 from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, REASON, RESUME, Update
-from ..privacy import server_lines
+from ..privacy import REPORT as PRIVACY_REPORT, server_lines
 from ..profile import check_summaries, write_atomic, write_json_atomic
 
 FATAL = "fatal_error"
@@ -430,16 +430,18 @@ def to_update(result) -> Update:
 
 def case_bounds(summaries: dict, cfg: RunConfig) -> dict:
     """Per site, the largest case count (``n``) an update may carry: the cases the site declared at
-    the handshake times its local epochs. Under the privacy option the declared cases are noised:
-    the bound allows 6 standard deviations of that noise (exceeded with probability ~1e-9)."""
+    the handshake times its local epochs. A site that noised its summary (the job's privacy option, or
+    the hospital's own in its privacy.json) declared noised cases: the bound allows 6 standard
+    deviations of the noise its report states (exceeded with probability ~1e-9)."""
     epochs = cfg.client.get("epochs", 1)
     epochs = max(1, int(epochs)) if isinstance(epochs, int) and not isinstance(epochs, bool) else 1
-    slack = 0
-    if cfg.privacy:
-        slack = int(np.ceil(6 * float(cfg.privacy.get("noise_multiplier", 0)) * float(cfg.privacy.get("clip", 0))))
     out = {}
     for site, summary in summaries.items():
         cases = summary.get("cases") if isinstance(summary, dict) else None
+        report = summary.get(PRIVACY_REPORT) if isinstance(summary, dict) else None
+        slack = 0
+        if isinstance(report, dict):  # its numbers are checked at the handshake (profile.check_summary)
+            slack = int(np.ceil(6 * abs(float(report["noise_multiplier"])) * abs(float(report["clip"]))))
         if isinstance(cases, int) and not isinstance(cases, bool) and cases >= 0:
             out[site] = epochs * (cases + slack)
     return out

@@ -17,7 +17,8 @@ kit's ``local/resources.json`` adds exactly those (``ALLOWED``) to nvflare's
 class allow list, which a site enforces on every job without custom code. Every hospital kit's
 ``local/privacy.json`` (``site_policy``) runs the site's own audit record on every job's replies,
 whatever the job's configuration says (``fedlabels.flare.sent``), after ``--withhold-batchnorm``'s filter
-where the hospital keeps its batch norm in every job (``fedlabels.flare.withhold``). The root CA's private key (``state/cert.json``) is readable by its owner
+where the hospital keeps its batch norm in every job (``fedlabels.flare.withhold``); ``--noise-summary``
+makes the hospital noise its label summary whatever the job says (``fedlabels.flare.client.site_privacy``). The root CA's private key (``state/cert.json``) is readable by its owner
 only, and the provisioning folder gets a ``.gitignore`` so that no kit or key
 is committed by accident. Deployment guide: ``docs/deployment.md``.
 """
@@ -176,12 +177,21 @@ SITE_SCOPE = "fedlabels"
 SITE_RECORD = {"path": "fedlabels.flare.sent.SentRecord", "args": {"stage": "site"}}
 
 
-def site_policy(kit: Path, withhold_batchnorm: bool = False) -> Path:
+# The label-summary noise a hospital applies itself (``--noise-summary``): the deployment guide's example,
+# about epsilon 4.7 at delta 1e-5 per release; the IT team may edit the numbers in privacy.json.
+SITE_NOISE = {"noise_multiplier": 1.0, "clip": 4.0, "delta": 1e-05}
+
+
+def site_policy(kit: Path, withhold_batchnorm: bool = False, noise_summary: dict | None = None) -> Path:
     """The hospital kit's ``local/privacy.json``: its audit record of every reply (``SentRecord(stage="site")``),
     after ``WithholdBatchNorm`` (flare/withhold.py) where the hospital keeps its batch norm whatever the job
-    says, so that the record shows what leaves."""
+    says, so that the record shows what leaves; ``noise_summary``: the privacy options its label summary is
+    noised with whatever the job says, a property of the scope (read by ``flare.client.site_privacy``)."""
     filters = ([{"path": WITHHOLD_BN, "args": {}}] if withhold_batchnorm else []) + [SITE_RECORD]
-    policy = {"scopes": [{"name": SITE_SCOPE, "task_result_filters": filters}], "default_scope": SITE_SCOPE}
+    scope = {"name": SITE_SCOPE, "task_result_filters": filters}
+    if noise_summary:
+        scope["properties"] = {"fedlabels_privacy": dict(noise_summary)}
+    policy = {"scopes": [scope], "default_scope": SITE_SCOPE}
     path = Path(kit) / "local" / "privacy.json"
     write_atomic(path, json.dumps(policy, indent=2).encode())
     return path
@@ -199,16 +209,19 @@ def protect(out: Path, name: str) -> None:
 
 
 def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int = 8002,
-              admin_port: int = 8003, org_admins: dict | None = None, no_byoc=(), withhold_batchnorm=()) -> dict:
+              admin_port: int = 8003, org_admins: dict | None = None, no_byoc=(), withhold_batchnorm=(),
+              noise_summary=()) -> dict:
     """Write ``out/project.yml`` and run ``nvflare provision``; {participant: startup kit folder}.
     ``no_byoc``: sites whose ``local/authorization.json`` refuses jobs with custom code;
-    ``withhold_batchnorm``: sites whose ``local/privacy.json`` removes batch norm from every reply.
+    ``withhold_batchnorm``: sites whose ``local/privacy.json`` removes batch norm from every reply;
+    ``noise_summary``: sites that noise their label summary (``SITE_NOISE``) whatever the job says.
 
     Provisioning again into the same ``out`` keeps the root CA (nvflare's state
     folder) and writes the next ``prod_NN``."""
     out = Path(out)
     spec = project(name, server, sites, admin, fl_port, admin_port, org_admins=org_admins)
-    for option, named in (("--no-byoc", no_byoc), ("--withhold-batchnorm", withhold_batchnorm)):
+    for option, named in (("--no-byoc", no_byoc), ("--withhold-batchnorm", withhold_batchnorm),
+                          ("--noise-summary", noise_summary)):
         unknown = sorted(set(named) - set(sites))
         if unknown:
             raise ProvisionError(f"{option} {unknown[0]!r}: not one of --sites {sites}")
@@ -226,7 +239,8 @@ def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int
         if p["type"] in ("server", "client"):
             allow_fedlabels(kits[p["name"]])
         if p["type"] == "client":
-            site_policy(kits[p["name"]], withhold_batchnorm=p["name"] in withhold_batchnorm)
+            site_policy(kits[p["name"]], withhold_batchnorm=p["name"] in withhold_batchnorm,
+                        noise_summary=SITE_NOISE if p["name"] in noise_summary else None)
     for site in no_byoc:
         local = kits[site] / "local"
         default = json.loads((local / "authorization.json.default").read_text())
