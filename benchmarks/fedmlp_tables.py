@@ -57,6 +57,8 @@ COMMON = ["--bundle", "cxr_resnet18", "--rounds", "30", "--eval-rounds", "10,20,
 # with --protocol the preset sets bundle, size, scaling, network width, batch, optimizer and rounds
 PRESET_COMMON = ["--eval-rounds", "10,20,30"]
 RUNS = {
+    # the upper bound: every site with every label (the scenario's oracle labels), the same splits
+    "oracle": (["oracle:fedavg"], []),
     "main": (["fedavg", "fedavg_pl", "fedfixmatch", "fednoro", "rscfed_pl", "surgical", "fedpsl", "fedmlp"],
              ["--opt", "surgical:warmup_epochs=0", "--opt", "fedmlp:warmup_rounds=10",
               "--opt", "fednoro:rampup_begin=0", "--opt", "fednoro:rampup_end=29"]),
@@ -71,7 +73,7 @@ RUNS = {
                                      "--opt", "fedmlp:tau1=0.1", "--opt", "fedmlp:adaptive_threshold=false",
                                      "--opt", "fedmlp:stage2_consistency=false"]),
 }
-LABELS = {"fedavg": "FedAvg", "fedavg_pl": "FedAvg-PL", "fedfixmatch": "FedFixMatch", "fednoro": "FedNoRo",
+LABELS = {"oracle:fedavg": "FedAvg, every site labeled (upper bound)", "fedavg": "FedAvg", "fedavg_pl": "FedAvg-PL", "fedfixmatch": "FedFixMatch", "fednoro": "FedNoRo",
           "rscfed_pl": "RSCFed",
           "surgical": "Surgical", "fedpsl": "FedPSL", "fedmlp": "FedMLP"}
 # FedMLP Tables 1-2, the level "one class per site": (BACC, AUROC, mAP) in %, last-epoch model.
@@ -207,8 +209,9 @@ def section(out: Path, seeds, missing: int, dataset: str = "blood") -> list:
     cells = read_cells(out, missing, dataset)
     classes = DATASETS[dataset]["classes"]
     keep = classes - missing
-    rows = [("main", m, LABELS[m]) for m in RUNS["main"][0]]
-    if any(run != "main" for run, _, _ in cells):
+    rows = [("oracle", "oracle:fedavg", LABELS["oracle:fedavg"])] if any(run == "oracle" for run, _, _ in cells) else []
+    rows += [("main", m, LABELS[m]) for m in RUNS["main"][0]]
+    if any(run not in ("main", "oracle") for run, _, _ in cells):
         rows += [("fedmlp_t10", "fedmlp", "FedMLP, T0 = T1 = 10 %, no ST"),
                  ("fedmlp_t10_nowpc", "fedmlp", "FedMLP, T0 = T1 = 10 %, no ST, w/o WPC"),
                  ("fedmlp_t10_nocr", "fedmlp", "FedMLP, T0 = T1 = 10 %, no ST, w/o CR"),
@@ -262,7 +265,8 @@ def main():
     p.add_argument("--src", default=str(REPO.parent / "shared" / "data" / "medmnist"))
     p.add_argument("--out", type=Path, help="default: benchmarks/results/fedmlp (blood), fedmlp-cxr (cxr)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    p.add_argument("--runs", nargs="+", default=[r for r in RUNS if r != "oracle"], choices=list(RUNS),
+                   help="default: every run but the upper bound (oracle)")
     p.add_argument("--jobs", type=int, default=1, help="bench runs at once (one torch thread each)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--levels", type=int, nargs="+",
@@ -282,7 +286,7 @@ def main():
                 prepare(args, seed, missing)
         # level by level, seed by seed: a table fills evenly
         tasks = [(name, seed, missing) for missing in args.levels for seed in args.seeds for name in args.runs
-                 if missing == DATASETS[args.dataset]["classes"] - 1 or name == "main"]
+                 if missing == DATASETS[args.dataset]["classes"] - 1 or name in ("main", "oracle")]
         with ThreadPoolExecutor(args.jobs) as pool:
             codes = list(pool.map(lambda task: bench(args, task), tasks))
         if any(codes):

@@ -431,12 +431,13 @@ def test_a_server_killed_at_any_point_resumes_to_the_uninterrupted_model(fed):
     has no round left: it writes the checkpoint's model). That global model equals 4 uninterrupted rounds
     of the in-process engine, the engine the FLARE controller runs
     (FLARE = in-process: tests/test_flare.py). Then site-2 loses its saved state and the last round is
-    resumed again: it joins from the global model, restarted with its own rule that its batch norm never
-    leaves it (its privacy.json), which its record of what it sent shows."""
+    resumed again: it joins from the global model, restarted with its own rules (its privacy.json): its
+    batch norm never leaves it, which its record of what it sent shows, and its label summary leaves
+    noised, which the server's log shows."""
     from fedlabels.bundle import network
     from fedlabels.checkpoint import read_checkpoint
     from fedlabels.flare.job import JOBS
-    from fedlabels.flare.provision import site_policy
+    from fedlabels.flare.provision import SITE_NOISE, site_policy
     from fedlabels.nets import batchnorm_keys
     from fedlabels.references import federate, setups
 
@@ -512,10 +513,14 @@ def test_a_server_killed_at_any_point_resumes_to_the_uninterrupted_model(fed):
     assert lost, "site-2 saved no state under its kit"
     for folder in lost:
         shutil.rmtree(folder)
-    def restart_site_2(withhold_batchnorm):
-        fed["sites"]["site-2"].stop()
-        site_policy(fed["kits"]["site-2"], withhold_batchnorm=withhold_batchnorm)
-        fed["sites"]["site-2"].start()
+    def restart_site_2(own_rules):
+        site = fed["sites"]["site-2"]
+        site.stop()
+        site_policy(fed["kits"]["site-2"], withhold_batchnorm=own_rules, noise_summary=SITE_NOISE if own_rules else None)
+        site.env.pop("FEDLABELS_PRIVACY_LEDGER", None)
+        if own_rules:  # the hospital's privacy ledger, in the test's folder rather than the account's home
+            site.env["FEDLABELS_PRIVACY_LEDGER"] = str(fed["tmp"] / "site-2-ledger.json")
+        site.start()
         wait_for_sites(fed["admin"], SITES)
 
     restart_site_2(True)
@@ -534,6 +539,11 @@ def test_a_server_killed_at_any_point_resumes_to_the_uninterrupted_model(fed):
             assert len(trained) == 1 and bool(bn & set(trained[0]["weights"])) == has_bn, \
                 (site, sorted(trained[0]["weights"])[:5])
         assert re.search(r"withheld \d+ batch-norm entries", site_log(fed, "site-2", job_id))
+        # and its own label-summary noise, under a job without the privacy option; the server takes it
+        assert "the hospital's own label-summary noise" in site_log(fed, "site-2", job_id)
+        server_log = (f / "log.txt").read_text()
+        assert "privacy: site-2: label summary noised (Gaussian, noise_multiplier=1, clip=4)" in server_log
+        assert "privacy: site-1" not in server_log
     finally:
         restart_site_2(False)  # the hospital as the other tests of this federation know it
 
