@@ -187,12 +187,17 @@ def redact(message):
 SITE_PRIVACY = "fedlabels_privacy"  # the hospital's own label-summary noise: a property of its privacy scope
 
 
+def site_policy_file(here: Path) -> Path:
+    """The kit's ``local/privacy.json`` (a provisioned job's custom folder is ``<kit>/<job>/app_<site>/custom``)."""
+    return Path(here).resolve().parents[2] / "local" / "privacy.json"
+
+
 def site_scope(here: Path | None) -> dict:
     """The default scope of the kit's ``local/privacy.json`` (the hospital's own policy; provision.site_policy),
     or {} outside a provisioned kit or when there is none readable (nvflare refuses to start on a broken one)."""
     if here is None or not provisioned(here):
         return {}
-    path = Path(here).resolve().parents[2] / "local" / "privacy.json"
+    path = site_policy_file(here)
     try:
         policy = json.loads(path.read_text()) if path.is_file() else {}
         scope = next(s for s in policy.get("scopes", []) if s.get("name") == policy.get("default_scope"))
@@ -213,7 +218,7 @@ def site_privacy(cfg: RunConfig, here: Path | None, say=say) -> None:
         privacy.options(own)
     except privacy.OptionError as e:
         where = f"properties.{SITE_PRIVACY}" + (f".{e.key}" if e.key else "")
-        raise ValueError(f"{Path(here).resolve().parents[2] / 'local' / 'privacy.json'}: field '{where}': {e}") from None
+        raise ValueError(f"{site_policy_file(here)}: field '{where}': {e}") from None
     if own != cfg.privacy:
         say(f"the hospital's own label-summary noise ({SITE_PRIVACY} in its privacy.json) replaces the job's "
             f"{cfg.privacy or 'exact counts'}: {own}")
@@ -228,7 +233,7 @@ def check_site_withholds(client, here: Path | None) -> None:
     scope = site_scope(here)
     if not any(isinstance(f, dict) and f.get("path") == WITHHOLD_BN for f in scope.get("task_result_filters", [])):
         return
-    path = Path(here).resolve().parents[2] / "local" / "privacy.json"
+    path = site_policy_file(here)
     by_name = set(batchnorm_keys_by_name(client.net.state_dict()))
     unseen = sorted(set(batchnorm_keys(client.net)) - by_name)
     if unseen:
