@@ -3,7 +3,7 @@
     python benchmarks/fedmix_selection.py --data DIR --out benchmarks/results/fedmix/selection-NAME.md \\
         [--rounds 100] [--every 10] [--seed 0]
 
-Trains FedMix in-process as ``fedmix_tables.py`` does (same options) and, every ``--every``
+Trains FedMix in-process as ``benchmarks/plans/fedmix-*.yaml`` does (same options) and, every ``--every``
 rounds, takes the global F1 and F2 to every site without masks: on each training case (its
 deterministic view, no augmentation) the refined pseudo labels and the selection decision,
 and the Dice of F1's refined pseudo label against the case's oracle mask, for the kept cases

@@ -2,7 +2,7 @@
 
     python benchmarks/fedmlp_tags.py [--seeds 0 1 2] [--out benchmarks/results/fedmlp/tags.md]
 
-Re-runs the tagging FedMLP row of ``benchmarks/fedmlp_tables.py`` at one class per
+Re-runs the tagging FedMLP row of ``benchmarks/plans/fedmlp.yaml`` at one class per
 site (the same splits in ``benchmarks/results/fedmlp/data``, the same network,
 client, rounds and options) in process, keeps the client rules, and scores
 every tag against the scenario's oracle labels: per stage-2 round, how many
@@ -78,7 +78,8 @@ def main():
                 continue
             data = Path(str(DATA).replace("{seed}", str(seed)))
             if not (data / "scenario.yaml").is_file():
-                raise SystemExit(f"{data}: run benchmarks/fedmlp_tables.py first (it prepares the splits)")
+                raise SystemExit(f"{data}: run python benchmarks/tables.py benchmarks/plans/fedmlp.yaml first "
+                                 "(it prepares the splits)")
             st = setups(bundle, data, seed=seed, method="fedmlp", **KW)
             oracle = setups(bundle, data, seed=seed, oracle=True, **KW)
             run = federate("fedmlp", st, 30, seed=seed, log=None, server_options=server,

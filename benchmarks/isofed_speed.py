@@ -18,8 +18,8 @@ engine (``references.federate``, the arithmetic a FLARE job runs):
   ``ThreadDataLoader`` (augmentation in a background thread, overlapping the
   training step) and ``DataLoader(num_workers=1)`` (a worker process per pass).
 
-    python benchmarks/isofed_tables.py --src DIR_OF_NPZ ...   # a run prepares the splits under OUT/data
-    python benchmarks/isofed_speed.py --data benchmarks/results/isofed/data/bloodmnist-g0.8-l1-s0
+    python benchmarks/tables.py benchmarks/plans/isofed-preset.yaml   # prepares the splits under its out/data
+    python benchmarks/isofed_speed.py --data benchmarks/results/isofed-preset/data/bloodmnist-g0.8-l1-s0
 
 Writes ``benchmarks/results/isofed_speed.md`` (``--out``).
 """
@@ -64,7 +64,7 @@ def data_pass_seconds(setups: dict, pretrain: bool) -> float:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", required=True, help="a prepared isofed split (benchmarks/isofed_tables.py)")
+    p.add_argument("--data", required=True, help="a prepared isofed split (benchmarks/plans/isofed-preset.yaml)")
     p.add_argument("--method", default="isofed")
     p.add_argument("--rounds", type=int, default=100)
     p.add_argument("--repeats", type=int, default=3, help="data-only passes, each beside one more round")

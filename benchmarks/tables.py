@@ -1,0 +1,543 @@
+"""Run a paper's comparison table from its declarative plan, and write the table.
+
+    python benchmarks/tables.py benchmarks/plans/fedmlp-preset.yaml [--jobs 2] [--only main,oracle]
+    python benchmarks/tables.py benchmarks/plans/fedmlp-preset.yaml --table-only
+
+A plan (YAML, ``benchmarks/plans/``) says what a table holds; this script holds no paper:
+
+* ``title``, ``intro``: the table's heading and the paragraph under it;
+* ``out``: the results folder (relative to the repository), where runs, logs and TABLE.md go;
+* ``seeds``: each seed is its own split (a Dirichlet or random draw: report over splits, never one);
+* ``prepare``: the ``fedlabels`` command that makes one split (``{seed}``, ``{data}``, ``{src}`` and the
+  section's and run's variables are filled in); skipped where ``{data}/scenario.yaml`` exists;
+* ``bench``: ``fedlabels bench`` options of every run (the preset, rounds, eval rounds);
+* ``columns``: what each table shows, each a mapping with ``label`` and either a value
+  (``metric``; optional ``model`` last|best, ``round`` (default the run's last), ``group`` pooled,
+  a group name or ``sites`` = the mean over the site-k groups; ``per_split: true`` lists the splits'
+  values in seed order instead of their mean ± sd) or ``recalled: true`` (per split, the
+  classes the model recalls at all; 1 = one class predicted) or ``records: [keys]`` (from the round
+  records, per split: ``agg`` sum|mean over sites and rounds, ``last`` N rounds, ``per_site``);
+* ``paper``: ``source`` and ``columns`` (the labels the printed values fill, in order), and
+  ``values``: key -> ``{table, row, values}``, the numbers as the paper prints them;
+* ``for``: a list of factors, each a list of variable mappings; a section is written once per
+  combination (their product), its strings' ``{name}`` filled in; a section's own ``for`` replaces it;
+* ``sections``: each a ``heading``, an optional ``note``, ``runs`` (name -> ``methods``, optional
+  ``bench`` options, ``data`` (default ``prepare.data``), ``dir`` (default ``runs/<name>``) and ``vars``)
+  and ``rows``: ``{run, method, label, paper: key or keys}`` (a ``local:site-k`` method is that site
+  alone, the floor) or ``{run, floor: true}`` (every site trained alone in that run, with its share of
+  the training cases); ``class_floor: true`` adds
+  local learning with one model per class (each class scored by the best site that annotates it);
+* ``glance`` (optional): ``{column, heading}``, one line per section and one column per row label;
+* ``extends``: a base plan whose keys this one replaces.
+
+Runs are resumable: ``fedlabels bench`` keeps finished cells, so a run interrupted and started again
+computes only what is missing. Each (run, seed) is one bench process; ``--jobs 2`` runs two at once with
+one torch thread each. TABLE.md is assembled from every finished cell (``not run`` where none yet) and
+written under a temporary name first. What the table needs from the prepared splits (each site's share
+of the training cases, the classes it annotates) is kept in ``splits.json`` beside it, so that
+``--table-only`` on a checkout without the data writes the same table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+FLOOR = "local:"
+
+
+class PlanError(ValueError):
+    """A plan that cannot be run: the message names the file and the field."""
+
+
+class _Keep(dict):
+    def __missing__(self, key):  # a name no variable fills ({seed}) stays for a later fill
+        return "{" + key + "}"
+
+
+def fill(obj, values: dict):
+    """obj with every string's {name} filled from values (names not given are left as they are)."""
+    if isinstance(obj, str):
+        return obj.format_map(_Keep({k: str(v) for k, v in values.items()}))
+    if isinstance(obj, list):
+        return [fill(o, values) for o in obj]
+    if isinstance(obj, dict):
+        return {k: fill(v, values) for k, v in obj.items()}
+    return obj
+
+
+@dataclass
+class Run:
+    dir: str                     # relative to the plan's out
+    data: str                    # '{seed}' in it: one prepared split per seed
+    methods: list
+    bench: list = field(default_factory=list)
+    vars: dict = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    path: Path
+    raw: dict
+    out: Path
+    seeds: list
+    sections: list               # [(heading, note, rows, class_floor)], rows: [dict]
+    runs: dict                   # dir -> Run, in the order the sections name them
+    section_runs: list           # per section, its runs' dirs
+
+
+KEYS = {"title", "intro", "out", "seeds", "prepare", "bench", "columns", "paper", "for", "sections", "glance"}
+
+
+def flat(items) -> list:
+    """Options as strings; nested lists (a YAML anchor inside a list) are spliced in."""
+    return [str(x) for item in items for x in (flat(item) if isinstance(item, list) else [item])]
+
+
+def _need(d: dict, key: str, where: str, kind=None):
+    if key not in d:
+        raise PlanError(f"{where}: missing field '{key}'")
+    if kind is not None and not isinstance(d[key], kind):
+        raise PlanError(f"{where}: field '{key}' must be a {kind.__name__ if isinstance(kind, type) else kind}")
+    return d[key]
+
+
+def read_yaml(path: Path) -> dict:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise PlanError(f"{path}: plan not found") from None
+    except yaml.YAMLError as exc:
+        raise PlanError(f"{path}: not valid YAML ({exc})") from None
+    if not isinstance(raw, dict):
+        raise PlanError(f"{path}: a plan is a mapping of fields")
+    if "extends" in raw:
+        base = read_yaml((path.parent / raw["extends"]).resolve())
+        raw = {**base, **{k: v for k, v in raw.items() if k != "extends"}}
+    return raw
+
+
+def load_plan(path: Path, out: Path | None = None) -> Plan:
+    path = Path(path).resolve()
+    raw = read_yaml(path)
+    where = str(path)
+    unknown = [k for k in raw if k not in KEYS and not k.startswith("x-")]  # x-: YAML anchors only
+    if unknown:
+        raise PlanError(f"{where}: unknown field(s) {unknown}; a plan has {sorted(KEYS)} (and x-... anchors)")
+    _need(raw, "title", where, str)
+    seeds = _need(raw, "seeds", where, list)
+    if not seeds or not all(isinstance(s, int) for s in seeds):
+        raise PlanError(f"{where}: field 'seeds' must be a list of integers")
+    columns = _need(raw, "columns", where, list)
+    for i, col in enumerate(columns):
+        if not isinstance(col, dict) or "label" not in col or not ({"metric", "recalled", "records"} & col.keys()):
+            raise PlanError(f"{where}: columns[{i}] needs 'label' and one of 'metric', 'recalled', 'records'")
+    paper = raw.get("paper") or {}
+    values = paper.get("values") or {}
+    for key, v in values.items():
+        if not isinstance(v, dict) or len(v.get("values") or []) != len(paper.get("columns") or []):
+            raise PlanError(f"{where}: paper.values[{key!r}] needs 'table', 'row' and one value per paper.columns")
+    labels = {c["label"] for c in columns}
+    if raw.get("glance") and raw["glance"].get("column") not in labels:
+        raise PlanError(f"{where}: glance.column {raw['glance'].get('column')!r} is not a column label")
+    default_data = (raw.get("prepare") or {}).get("data")
+    sections, runs, section_runs = [], {}, []
+    for i, template in enumerate(_need(raw, "sections", where, list)):
+        factors = template.get("for", raw.get("for", []))
+        combos = [dict(kv for d in combo for kv in d.items()) for combo in itertools.product(*factors)] or [{}]
+        for combo in combos:
+            sec = fill({k: v for k, v in template.items() if k != "for"}, combo)
+            swhere = f"{where}: sections[{i}] ({sec.get('heading', '?')})"
+            heading = _need(sec, "heading", swhere, str)
+            mine = []
+            for name, spec in _need(sec, "runs", swhere, dict).items():
+                rwhere = f"{swhere}: runs.{name}"
+                data = spec.get("data", default_data)
+                if not data:
+                    raise PlanError(f"{rwhere}: missing field 'data' (and the plan has no prepare.data)")
+                run_vars = {**combo, **spec.get("vars", {})}  # what the prepare command fills in
+                run = Run(dir=spec.get("dir", f"runs/{name}"), data=fill(data, run_vars),
+                          methods=list(_need(spec, "methods", rwhere, list)), bench=flat(spec.get("bench", [])),
+                          vars=run_vars)
+                if run.dir in runs:
+                    same = runs[run.dir]
+                    if (same.data, same.methods, same.bench) != (run.data, run.methods, run.bench):
+                        raise PlanError(f"{rwhere}: the folder {run.dir} is already another run's")
+                    run = same
+                runs[run.dir] = run
+                mine.append((name, run.dir))
+            names = dict(mine)
+            rows = []
+            for j, row in enumerate(_need(sec, "rows", swhere, list)):
+                if not isinstance(row, dict) or row.get("run") not in names:
+                    raise PlanError(f"{swhere}: rows[{j}]: 'run' must name one of this section's runs {sorted(names)}")
+                row = {**row, "dir": names[row["run"]]}
+                if not row.get("floor"):
+                    _need(row, "method", f"{swhere}: rows[{j}]", str)
+                    if row["method"] not in runs[row["dir"]].methods and not row["method"].startswith(FLOOR):
+                        raise PlanError(f"{swhere}: rows[{j}]: run {row['run']} does not train {row['method']!r}")
+                    keys = row.get("paper") or []
+                    for key in [keys] if isinstance(keys, str) else keys:
+                        if key not in values:
+                            raise PlanError(f"{swhere}: rows[{j}]: paper value {key!r} is not in paper.values")
+                rows.append(row)
+            sections.append((heading, sec.get("note"), rows, bool(sec.get("class_floor"))))
+            section_runs.append([d for _, d in mine])
+    out = (out or REPO / _need(raw, "out", where, str)).resolve()
+    return Plan(path, raw, out, seeds, sections, runs, section_runs)
+
+
+# ------------------------------------------------------------------ running
+
+
+def fedlabels() -> str:
+    return str(Path(sys.executable).with_name("fedlabels"))
+
+
+def data_path(plan: Plan, run: Run, seed: int | None = None) -> str:
+    if run.data.startswith("embedded:"):
+        return run.data
+    path = str(plan.out / run.data)
+    return path if seed is None else path.replace("{seed}", str(seed))
+
+
+def prepare(plan: Plan, run: Run, seed: int, src: Path) -> None:
+    target = data_path(plan, run, seed)
+    if target.startswith("embedded:") or (Path(target) / "scenario.yaml").is_file():
+        return
+    command = (plan.raw.get("prepare") or {}).get("command")
+    if not command:
+        raise PlanError(f"{plan.path}: {target} does not exist and the plan has no prepare.command")
+    cmd = [fedlabels(), *fill(flat(command), {**run.vars, "seed": seed, "data": target, "src": src})]
+    print(f"[tables] prepare: {' '.join(cmd)}", flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def bench(plan: Plan, run: Run, seed: int, threads: int) -> int:
+    cmd = [fedlabels(), "bench", "--data", data_path(plan, run), "--methods", ",".join(run.methods),
+           "--seeds", str(seed), *flat(plan.raw.get("bench", [])), *run.bench,
+           "--out", str(plan.out / run.dir)]
+    log = plan.out / "logs" / f"{run.dir.replace('/', '-')}-seed{seed}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    print(f"[tables] {run.dir} seed {seed}: {' '.join(cmd)}", flush=True)
+    with open(log, "a") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": str(threads)}).returncode
+    print(f"[tables] {run.dir} seed {seed}: exit {rc} after {time.time() - t0:.0f}s (log {log})", flush=True)
+    return rc
+
+
+def tasks(plan: Plan, only=None) -> list:
+    """(run, seed) in the plan's order: section by section, seed by seed, so that a table fills evenly."""
+    out = []
+    for dirs in plan.section_runs:
+        for seed in plan.seeds:
+            for d in dirs:
+                name = Path(d).name
+                if (only is None or name in only or d in only) and (d, seed) not in out:
+                    out.append((d, seed))
+    return out
+
+
+def record_splits(plan: Plan) -> dict:
+    """splits.json: per prepared split, each site's training cases and annotated classes (kept beside the
+    table: the splits themselves are not committed)."""
+    path = plan.out / "splits.json"
+    known = json.loads(path.read_text()) if path.is_file() else {}
+    sys.path.insert(0, str(REPO / "custom"))
+    from fedlabels.profile import load_scenario
+
+    for run in plan.runs.values():
+        for seed in plan.seeds:
+            folder = data_path(plan, run, seed)
+            if folder.startswith("embedded:") or not (Path(folder) / "scenario.yaml").is_file():
+                continue
+            key = os.path.relpath(folder, plan.out)
+            if key in known:
+                continue
+            sc = load_scenario(Path(folder), check_files=False, with_test=False)
+            known[key] = {name: {"training": len(json.loads((Path(folder) / name / "datalist.json").read_text())["training"]),
+                                 "annotated": list(site.profile.annotated)} for name, site in sc.sites.items()}
+    if known:
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(dict(sorted(known.items())), indent=1) + "\n")
+        tmp.replace(path)
+    return known
+
+
+# ------------------------------------------------------------------ the table
+
+
+def read_cells(plan: Plan) -> dict:
+    """(run dir, method, seed) -> finished cell."""
+    cells = {}
+    for d in plan.runs:
+        for path in sorted((plan.out / d / "cells").glob("*.json")):
+            cell = json.loads(path.read_text())
+            cells[(d, cell["config"]["method"], int(cell["config"]["seed"]))] = cell
+    return cells
+
+
+def _rows(cell, col, cls="mean"):
+    rnd = col.get("round") or cell["config"]["rounds"]
+    return [r for r in cell["rows"] if r["round"] == rnd and r["model"] == col.get("model", "last")
+            and r["class"] == cls and r["metric"] == col["metric"]]
+
+
+def value(cell, col, cls="mean"):
+    """One number of one cell for a value column (None where the cell does not hold it)."""
+    group = col.get("group", "pooled")
+    hits = _rows(cell, col, cls)
+    if group == "sites":
+        vals = [r["value"] for r in hits if r["group"].startswith("site-")]
+        return None if not vals or any(v is None for v in vals) else float(np.mean(vals))
+    vals = [r["value"] for r in hits if r["group"] == group]
+    return None if not vals or vals[0] is None else float(vals[0])
+
+
+def recalled(cell) -> int:
+    last = cell["config"]["rounds"]
+    return sum(1 for r in cell["rows"] if r["round"] == last and r["model"] == "last" and r["group"] == "pooled"
+               and r["metric"] == "recall" and r["class"] != "mean" and (r["value"] or 0) > 0)
+
+
+def records(cell, col) -> str:
+    recs = cell.get("records", [])[-col["last"]:] if col.get("last") else cell.get("records", [])
+    agg = np.mean if col.get("agg") == "mean" else np.sum
+    sites = sorted({s for r in recs for s in r.get("sites", {})}, key=_site_order)
+
+    def one(key, only=None):
+        vals = [r["sites"][s].get(key) for r in recs for s in r.get("sites", {}) if only in (None, s)]
+        vals = [v for v in vals if v is not None]
+        return "-" if not vals else (f"{agg(vals):.2f}" if col.get("agg") == "mean" else f"{agg(vals):g}")
+
+    parts = [one(k, s) for s in sites for k in col["records"]] if col.get("per_site") else \
+        [one(k) for k in col["records"]]
+    return "" if all(p == "-" for p in parts) else " / ".join(parts)  # a row that records none of them
+
+
+def _site_order(name: str):
+    tail = name.rsplit("-", 1)[-1]
+    return (0, int(tail)) if tail.isdigit() else (1, name)
+
+
+def fmt(vals) -> str:
+    vals = [100 * v for v in vals if v is not None]
+    if not vals:
+        return "not run"
+    return f"{np.mean(vals):.1f}" + (f" ± {np.std(vals, ddof=1):.1f}" if len(vals) > 1 else "")
+
+
+def column_text(got: list, col) -> str:
+    if col.get("recalled"):
+        return ",".join(str(recalled(c)) for c in got) or "-"
+    if col.get("records"):
+        texts = [records(c, col) or "-" for c in got]
+        return " ; ".join(texts) if any(t != "-" for t in texts) else ""
+    vals = [value(c, col) for c in got]
+    if got and all(v is None for v in vals):
+        return "—"  # finished cells that do not hold this value: not "not run"
+    if col.get("per_split"):
+        return ", ".join("-" if v is None else f"{100 * v:.1f}" for v in vals) or "not run"
+    return fmt(vals)
+
+
+def share(plan: Plan, splits: dict, run: Run, site: str) -> float | None:
+    """The site's share of the training cases (%), mean over the plan's splits of this run."""
+    shares = []
+    for seed in plan.seeds:
+        counts = splits.get(os.path.relpath(data_path(plan, run, seed), plan.out))
+        if counts and site in counts:
+            shares.append(100 * counts[site]["training"] / sum(s["training"] for s in counts.values()))
+    return float(np.mean(shares)) if shares else None
+
+
+def expand_rows(plan: Plan, rows: list, cells: dict, splits: dict) -> list:
+    """The section's rows with every floor entry replaced by one row per site trained alone."""
+    out = []
+    for row in rows:
+        if not row.get("floor"):
+            out.append({**row, "floor": True, "short": row["label"]} if row["method"].startswith(FLOOR) else row)
+            continue
+        sites = sorted({m for (d, m, _) in cells if d == row["dir"] and m.startswith(FLOOR)},
+                       key=lambda m: _site_order(m[len(FLOOR):]))
+        for m in sites:
+            pct = share(plan, splits, plan.runs[row["dir"]], m[len(FLOOR):])
+            label = f"{m} alone" + (f" ({pct:.0f} % of the training cases)" if pct is not None else "")
+            short = m[len(FLOOR):] + (f", {pct:.0f} % of the training cases" if pct is not None else "")
+            out.append({"dir": row["dir"], "method": m, "label": label, "short": short, "floor": True})
+    return out
+
+
+def class_floor(plan: Plan, rows: list, cells: dict, splits: dict, columns: list) -> list:
+    """Local learning, one model per class: per split, each class scored by the best of the sites that
+    annotate it trained alone (picked on test: an optimistic floor), then the mean over classes."""
+    texts = []
+    for col in columns:
+        if not col.get("metric") or col.get("model", "last") != "last" or col.get("group", "pooled") != "pooled":
+            texts.append("")
+            continue
+        per_seed = []
+        for seed in plan.seeds:
+            per_class, classes = {}, None
+            for row in (r for r in rows if r.get("floor")):
+                cell = cells.get((row["dir"], row["method"], seed))
+                counts = splits.get(os.path.relpath(data_path(plan, plan.runs[row["dir"]], seed), plan.out))
+                if cell is None or counts is None:
+                    continue
+                classes = {c for s in counts.values() for c in s["annotated"]}
+                for c in counts[row["method"][len(FLOOR):]]["annotated"]:
+                    v = value(cell, col, cls=c)
+                    if v is not None:
+                        per_class.setdefault(c, []).append(v)
+            if classes and set(per_class) == classes:
+                per_seed.append(float(np.mean([max(v) for v in per_class.values()])))
+        texts.append(fmt(per_seed))
+    return texts
+
+
+def paper_text(plan: Plan, row) -> str:
+    keys = row.get("paper") or []
+    values = (plan.raw.get("paper") or {}).get("values", {})
+    return "; ".join(" / ".join(f"{v:.1f}" for v in values[k]["values"]) + f" ({values[k]['table']}, {values[k]['row']})"
+                     for k in ([keys] if isinstance(keys, str) else keys))
+
+
+def section_table(plan: Plan, rows: list, cells: dict, splits: dict, with_class_floor: bool) -> list:
+    columns = plan.raw["columns"]
+    paper = plan.raw.get("paper")
+    head = ["row", *[c["label"] for c in columns]] + ([f"paper {' / '.join(paper['columns'])}"] if paper else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        got = [cells[k] for k in ((row["dir"], row["method"], s) for s in plan.seeds) if k in cells]
+        cols = [column_text(got, c) for c in columns]
+        lines.append(f"| {row['label']} ({len(got)}) | " + " | ".join(cols)
+                     + (f" | {paper_text(plan, row)} |" if paper else " |"))
+    if with_class_floor:
+        cols = class_floor(plan, rows, cells, splits, columns)
+        lines.append("| local learning, one model per class (each class by the best site annotating it, picked on "
+                     "test) | " + " | ".join(cols) + (" |  |" if paper else " |"))
+    return lines
+
+
+def glance(plan: Plan, expanded: list, cells: dict, splits: dict) -> list:
+    """One line per section, one column per row label (the plan's glance.rows, or every non-floor row) and
+    the floor: local learning with one model per class where the section has it, else the best site alone."""
+    spec = plan.raw["glance"]
+    col = next(c for c in plan.raw["columns"] if c["label"] == spec["column"])
+    paper = plan.raw.get("paper") or {}
+    pi = paper.get("columns", []).index(col["label"]) if col["label"] in paper.get("columns", []) else None
+    labels = spec.get("rows") or list(dict.fromkeys(r["label"] for _, rows, _ in expanded for r in rows
+                                                    if not r.get("floor")))
+    lines = [f"## {spec.get('heading', spec['column'] + ' at a glance')}", "",
+             "| section | " + " | ".join(labels) + " | floor (chosen on test) |", "|---|" + "---|" * (len(labels) + 1)]
+    for heading, rows, with_class_floor in expanded:
+        texts = []
+        for label in labels:
+            row = next((r for r in rows if r["label"] == label and not r.get("floor")), None)
+            if row is None:
+                texts.append("")
+                continue
+            got = [cells[k] for k in ((row["dir"], row["method"], s) for s in plan.seeds) if k in cells]
+            text = column_text(got, col)
+            one = sum(1 for c in got if any(r["metric"] == "recall" and r["class"] != "mean" for r in c["rows"])
+                      and recalled(c) == 1)
+            text += f" ({one}/{len(got)} one class)" if one else ""
+            keys = row.get("paper") or []
+            if pi is not None and keys:
+                key = keys if isinstance(keys, str) else keys[0]
+                text += f" / {paper['values'][key]['values'][pi]:.1f}"
+            texts.append(text)
+        if with_class_floor:
+            texts.append(class_floor(plan, rows, cells, splits, [col])[0] + " (one model per class)")
+        else:
+            floors = []
+            for row in (r for r in rows if r.get("floor")):
+                vals = [value(cells[k], col) for k in ((row["dir"], row["method"], s) for s in plan.seeds) if k in cells]
+                if any(v is not None for v in vals):
+                    floors.append((float(np.mean([v for v in vals if v is not None])), row))
+            best = max(floors, key=lambda f: f[0])[1] if floors else None
+            texts.append("not run" if best is None else column_text(
+                [cells[k] for k in ((best["dir"], best["method"], s) for s in plan.seeds) if k in cells], col)
+                + f" ({best['short']})")
+        lines.append(f"| {heading} | " + " | ".join(texts) + " |")
+    return lines + [""]
+
+
+def table(plan: Plan) -> str:
+    cells = read_cells(plan)
+    splits = json.loads((plan.out / "splits.json").read_text()) if (plan.out / "splits.json").is_file() else {}
+    rel = os.path.relpath(plan.path, REPO)
+    lines = [f"# {plan.raw['title']}", ""]
+    if plan.raw.get("intro"):
+        lines += [plan.raw["intro"].strip(), ""]
+    lines += [f"Written by `python benchmarks/tables.py {rel}` from the finished cells under this folder: mean ± sd "
+              f"over the seeds {plan.seeds} (each seed its own split; the count of finished ones in brackets); "
+              "`not run`: no finished cell yet. Floor rows: a site trained alone for as many epochs."
+              + (f" Paper: {plan.raw['paper']['source']}." if plan.raw.get("paper") else ""), ""]
+    expanded = [(h, expand_rows(plan, rows, cells, splits), cf) for h, _, rows, cf in plan.sections]
+    if plan.raw.get("glance"):
+        lines += glance(plan, expanded, cells, splits)
+    for (heading, note, _, with_class_floor), (_, rows, _) in zip(plan.sections, expanded):
+        lines += [f"## {heading}", ""] + ([note.strip(), ""] if note else [])
+        lines += section_table(plan, rows, cells, splits, with_class_floor) + [""]
+    return "\n".join(lines)
+
+
+def write_table(plan: Plan) -> str:
+    text = table(plan)
+    plan.out.mkdir(parents=True, exist_ok=True)
+    tmp = plan.out / ".TABLE.md.tmp"  # a reader never sees half a table
+    tmp.write_text(text)
+    tmp.replace(plan.out / "TABLE.md")
+    return text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("plan", type=Path, help="a plan file (benchmarks/plans/*.yaml)")
+    p.add_argument("--out", type=Path, help="results folder (default: the plan's out)")
+    p.add_argument("--src", type=Path, default=REPO.parent / "shared" / "data",
+                   help="the data folder a plan's prepare command reads ({src})")
+    p.add_argument("--only", help="comma-separated run names or folders to run (default: every run)")
+    p.add_argument("--jobs", type=int, default=1, help="bench processes at once (one torch thread each when > 1)")
+    p.add_argument("--table-only", action="store_true", help="only write TABLE.md from the finished cells")
+    args = p.parse_args(argv)
+    try:
+        plan = load_plan(args.plan, args.out)
+    except PlanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.table_only:
+        todo = tasks(plan, set(args.only.split(",")) if args.only else None)
+        if not todo:
+            print(f"error: {args.plan}: --only {args.only} names no run of the plan", file=sys.stderr)
+            return 2
+        threads = 1 if args.jobs > 1 else int(os.environ.get("OMP_NUM_THREADS", "2"))
+        for d, seed in todo:  # every split first, one at a time (runs share them)
+            prepare(plan, plan.runs[d], seed, args.src.resolve())
+        t0 = time.time()
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            codes = list(pool.map(lambda t: bench(plan, plan.runs[t[0]], t[1], threads), todo))
+        print(f"[tables] {len(todo)} runs in {time.time() - t0:.0f}s; failed: "
+              f"{[t for t, c in zip(todo, codes) if c] or 'none'}", flush=True)
+    record_splits(plan)
+    print(write_table(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
