@@ -46,6 +46,10 @@ CXR_AUGMENT = [{"_target_": "RandAffined", "keys": ["image"], "prob": 0.5, "rota
                 "scale_range": [0.1, 0.1], "translate_range": [3, 3], "padding_mode": "border"},
                {"_target_": "RandAdjustContrastd", "keys": ["image"], "prob": 0.3, "gamma": [0.8, 1.25]},
                {"_target_": "EnsureTyped", "keys": ["image", "label"], "track_meta": False}]
+# the same augmentation applied to each batch at once (fedlabels.bundle.augment; the cxr preset's)
+CXR_BATCH_AUGMENT = [{"_target_": "fedlabels.bundle.augment.BatchRandAffine", "prob": 0.5, "rotate_range": 0.1,
+                      "scale_range": [0.1, 0.1], "translate_range": [3, 3], "padding_mode": "border"},
+                     {"_target_": "fedlabels.bundle.augment.BatchRandAdjustContrast", "prob": 0.3, "gamma": [0.8, 1.25]}]
 
 
 def reference_settings(protocol: str) -> dict:
@@ -72,8 +76,11 @@ def reference_settings(protocol: str) -> dict:
     flips = tuple(t.get("_target_") for t in random)
     augment = {(): "none", ("fedlabels.bundle.data.RandMirrord",): "hflip", ("RandFlipd",): "hflip",
                ("fedlabels.bundle.data.RandDihedrald",): "dihedral"}.get(flips)
-    if random == CXR_AUGMENT:
+    batch = cfg["train"].get("batch_transforms") or []
+    if random == CXR_AUGMENT and not batch or random == CXR_AUGMENT[-1:] and batch == CXR_BATCH_AUGMENT:
         augment = "affine_contrast"
+    elif batch:
+        raise ValueError(f"{where}: field 'train#batch_transforms': the reference loop has no equivalent of {batch}")
     if augment is None:
         raise ValueError(f"{where}: field 'train#random_transforms': the reference loop has no equivalent of {flips}")
     common = {"lr": p.client.get("lr", 1e-3), "batch_size": cfg["batch_size"], "epochs": p.local_epochs}

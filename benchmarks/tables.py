@@ -95,7 +95,7 @@ class Plan:
     seeds: list
     sections: list               # [(heading, note, rows, class_floor)], rows: [dict]
     runs: dict                   # dir -> Run, in the order the sections name them
-    section_runs: list           # per section, its runs' dirs
+    section_runs: list           # per section, its runs' (name, dir)
 
 
 KEYS = {"title", "intro", "out", "seeds", "prepare", "bench", "columns", "paper", "for", "sections", "glance"}
@@ -194,7 +194,7 @@ def load_plan(path: Path, out: Path | None = None) -> Plan:
                             raise PlanError(f"{swhere}: rows[{j}]: paper value {key!r} is not in paper.values")
                 rows.append(row)
             sections.append((heading, sec.get("note"), rows, bool(sec.get("class_floor"))))
-            section_runs.append([d for _, d in mine])
+            section_runs.append(mine)
     out = (out or REPO / _need(raw, "out", where, str)).resolve()
     return Plan(path, raw, out, seeds, sections, runs, section_runs)
 
@@ -243,11 +243,10 @@ def bench(plan: Plan, run: Run, seed: int, threads: int) -> int:
 def tasks(plan: Plan, only=None) -> list:
     """(run, seed) in the plan's order: section by section, seed by seed, so that a table fills evenly."""
     out = []
-    for dirs in plan.section_runs:
+    for names in plan.section_runs:
         for seed in plan.seeds:
-            for d in dirs:
-                name = Path(d).name
-                if (only is None or name in only or d in only) and (d, seed) not in out:
+            for name, d in names:
+                if (only is None or {name, d, Path(d).name} & only) and (d, seed) not in out:
                     out.append((d, seed))
     return out
 
@@ -512,7 +511,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="results folder (default: the plan's out)")
     p.add_argument("--src", type=Path, default=REPO.parent / "shared" / "data",
                    help="the data folder a plan's prepare command reads ({src})")
-    p.add_argument("--only", help="comma-separated run names or folders to run (default: every run)")
+    p.add_argument("--only", help="comma-separated run names (or their folders) to run (default: every run)")
     p.add_argument("--jobs", type=int, default=1, help="bench processes at once (one torch thread each when > 1)")
     p.add_argument("--table-only", action="store_true", help="only write TABLE.md from the finished cells")
     args = p.parse_args(argv)

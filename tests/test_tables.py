@@ -129,7 +129,8 @@ def test_sections_repeat_over_the_for_product_and_share_runs(tmp_path):
     # section by section, seed by seed; the upper bound shared by two sections runs once per seed
     assert tables.tasks(loaded)[:6] == [("runs/x-ub", 0), ("runs/x-k1", 0), ("runs/x-ub", 1), ("runs/x-k1", 1),
                                         ("runs/x-k2", 0), ("runs/x-k2", 1)]
-    assert tables.tasks(loaded, {"y-ub"}) == [("runs/y-ub", 0), ("runs/y-ub", 1)]
+    assert tables.tasks(loaded, {"y-ub"}) == [("runs/y-ub", 0), ("runs/y-ub", 1)]  # a folder
+    assert tables.tasks(loaded, {"semi"})[:2] == [("runs/x-k1", 0), ("runs/x-k1", 1)]  # a run name
 
 
 BAD = [

@@ -125,8 +125,10 @@ def pooled(bundle, data, epochs: int, oracle: bool, batch_size=None, seed=0, cli
     site_setups = setups(bundle, data, batch_size=batch_size, seed=seed, oracle=oracle)
     first = next(iter(site_setups.values()))
     dataset = ConcatDataset([st.train_loader.dataset for st in site_setups.values()])
+    collate = first.train_loader.collate_fn  # the bundle's batch augmentation, where it has one
     loader = torch.utils.data.DataLoader(dataset, batch_size=first.train_loader.batch_size, shuffle=True,
-                                         generator=torch.Generator().manual_seed(seed))
+                                         generator=torch.Generator().manual_seed(seed),
+                                         **({"collate_fn": collate} if hasattr(collate, "set_random_state") else {}))
     sc = first.scenario
     items = [i for st in site_setups.values() for i in (st.site.oracle()["training"] if oracle else st.site.training)]
     profile = SiteProfile("pooled", sc.task, sc.classes, sc.classes, "image")

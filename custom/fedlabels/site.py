@@ -21,6 +21,7 @@ import torch
 from monai.data import CacheDataset, DataLoader, get_track_meta, set_track_meta
 
 from .bundle import data as bundle_data
+from .bundle.augment import BatchCollate
 from .bundle import network, read
 from .methods.base import SiteContext, Update, site_seed
 from .metrics import multiclass_metrics, multilabel_metrics, segmentation_metrics
@@ -139,14 +140,16 @@ class TwoViews(torch.utils.data.Dataset):
         self.strong.set_random_state(seed=seed + 1)
 
 
-def _loader(items, transform, batch_size, shuffle, seed, strong=None):
+def _loader(items, transform, batch_size, shuffle, seed, strong=None, batch_transforms=None):
     ds = CachedCases(items, transform, cache_rate=1.0, num_workers=None, progress=False)
     if strong is not None:
         ds = TwoViews(ds, strong)
     gen = torch.Generator().manual_seed(seed)
+    # the bundle's train#batch_transforms augment each collated batch at once (fedlabels.bundle.augment)
+    collate = BatchCollate(batch_transforms).set_random_state(seed) if batch_transforms else None
     # An empty site (nothing it can learn from) gets an empty loader: its client abstains.
     return DataLoader(ds, batch_size=batch_size, shuffle=shuffle and len(ds) > 0, num_workers=0, generator=gen,
-                      drop_last=False)
+                      drop_last=False, **({"collate_fn": collate} if collate else {}))
 
 
 def _items(site: SiteData, split: str, oracle: bool, labeled_only: bool):
@@ -187,8 +190,10 @@ def setup_site(bundle, dataset_dir, site_name: str, *, batch_size=None, seed=0, 
             raise ValueError(f"{bundle}: configs/train.json defines no train#strong_preprocessing, and the method "
                              "trains on a strongly augmented second view")
         strong = parser.get_parsed_content("train#strong_preprocessing", instantiate=True)
+    batch_tf = parser.get_parsed_content("train#batch_transforms", instantiate=True) \
+        if parser.get("train#batch_transforms") else None
     train_loader = _loader(_items(site, "training", oracle, labeled_only=not unlabeled), train_tf, bs, True, seed,
-                           strong)
+                           strong, batch_tf)
     val_items = _items(site, "validation", oracle, labeled_only=True)
     val_loader = _loader(val_items, val_tf, bs, False, seed) if val_items else None
     return SiteSetup(scenario, site, net, train_loader, val_loader, scenario.classes, scenario.task, seed, device,

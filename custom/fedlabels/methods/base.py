@@ -150,6 +150,9 @@ class SiteContext:
         target = dataset if hasattr(dataset, "set_random_state") else getattr(dataset, "transform", None)
         if hasattr(target, "set_random_state"):
             target.set_random_state(seed=s)
+        collate = getattr(self.train, "collate_fn", None)  # batch augmentation (fedlabels.bundle.augment)
+        if hasattr(collate, "set_random_state"):
+            collate.set_random_state(seed=s)
 
 
 def to_numpy(state: dict) -> dict:
