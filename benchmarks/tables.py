@@ -515,6 +515,8 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="bench processes at once (one torch thread each when > 1)")
     p.add_argument("--table-only", action="store_true", help="only write TABLE.md from the finished cells")
     args = p.parse_args(argv)
+    if args.table_only and args.only:
+        p.error("--only chooses what runs; --table-only runs nothing")
     try:
         plan = load_plan(args.plan, args.out)
     except PlanError as exc:
