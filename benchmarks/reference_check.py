@@ -282,8 +282,16 @@ def main(argv=None) -> None:
     ap.add_argument("--widen", type=float, help="ResNet-18 width multiplier on both sides (MONAI's widen_factor)")
     ap.add_argument("--image-size", type=int, help="the project's input size instead of the preset's (the reference "
                                                   "reads the prepared files at their size: prepare with --size)")
+    ap.add_argument("--per-case-augmentation", action="store_true",
+                    help="the project side augments each case in the loader (the chest X-ray bundles' RandAffined and "
+                         "RandAdjustContrastd) instead of the preset's per-batch augmentation: what the batching saves")
     ap.add_argument("--out", default="benchmarks/results/reference_check")
     args = ap.parse_args(argv)
+    config = None
+    if args.per_case_augmentation:
+        if REFERENCES[args.protocol][0] != "multilabel":
+            ap.error("--per-case-augmentation: only the chest X-ray bundles augment per batch")
+        config = {"train#random_transforms": CXR_AUGMENT, "train#batch_transforms": []}
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -304,8 +312,9 @@ def main(argv=None) -> None:
         load_before = os.getloadavg()[0]
         result = compare(args.protocol, data, seed, args.rounds, eval_rounds, out / "work" / tag,
                          reference_scaling=args.reference_scaling, image_size=args.image_size, widen=args.widen,
-                         log=lambda m: print(m, flush=True))
+                         config=config, log=lambda m: print(m, flush=True))
         result["label"] = args.label
+        result["project_config"] = config  # settings the project side changed from the preset (None: none)
         result["load"] = (load_before, os.getloadavg()[0])
         _write_atomic(cell, json.dumps(result, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else o))
         print(f"[check] {cell.name}: {time.time() - t0:.0f}s", flush=True)

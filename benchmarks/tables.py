@@ -44,6 +44,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -62,15 +63,14 @@ class PlanError(ValueError):
     """A plan that cannot be run: the message names the file and the field."""
 
 
-class _Keep(dict):
-    def __missing__(self, key):  # a name no variable fills ({seed}) stays for a later fill
-        return "{" + key + "}"
+PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
 def fill(obj, values: dict):
-    """obj with every string's {name} filled from values (names not given are left as they are)."""
+    """obj with every string's {name} filled from values; other braces (a name no variable fills, such as
+    {seed}, or JSON in an option) are left as they are."""
     if isinstance(obj, str):
-        return obj.format_map(_Keep({k: str(v) for k, v in values.items()}))
+        return PLACEHOLDER.sub(lambda m: str(values[m.group(1)]) if m.group(1) in values else m.group(0), obj)
     if isinstance(obj, list):
         return [fill(o, values) for o in obj]
     if isinstance(obj, dict):
@@ -99,11 +99,35 @@ class Plan:
 
 
 KEYS = {"title", "intro", "out", "seeds", "prepare", "bench", "columns", "paper", "for", "sections", "glance"}
+# the fields of each part of a plan: a misspelt one stops the plan (it would otherwise be silently ignored)
+FIELDS = {"prepare": {"data", "command"}, "paper": {"source", "columns", "values"}, "glance": {"column", "heading", "rows"},
+          "paper value": {"table", "row", "values"}, "section": {"heading", "note", "for", "runs", "rows", "class_floor"},
+          "run": {"methods", "bench", "data", "dir", "vars"}, "row": {"run", "method", "label", "paper", "floor"},
+          "column": {"label", "metric", "model", "round", "group", "per_split", "recalled", "records", "agg", "last",
+                     "per_site"}}
+FILLED_LATER = {"seed", "data", "src"}  # filled per split, by the driver
 
 
 def flat(items) -> list:
     """Options as strings; nested lists (a YAML anchor inside a list) are spliced in."""
     return [str(x) for item in items for x in (flat(item) if isinstance(item, list) else [item])]
+
+
+def _fields(d, part: str, where: str) -> dict:
+    if not isinstance(d, dict):
+        raise PlanError(f"{where}: a {part} is a mapping of fields")
+    unknown = sorted(set(d) - FIELDS[part])
+    if unknown:
+        raise PlanError(f"{where}: unknown field(s) {unknown}; a {part} has {sorted(FIELDS[part])}")
+    return d
+
+
+def _unfilled(obj, where: str, allowed=()) -> None:
+    """Stop at a {name} no variable filled (a misspelt variable would otherwise reach a folder name)."""
+    texts = [obj] if isinstance(obj, str) else flat(obj) if isinstance(obj, list) else []
+    left = sorted({m for t in texts for m in PLACEHOLDER.findall(t)} - set(allowed))
+    if left:
+        raise PlanError(f"{where}: {{{left[0]}}} is filled by no variable (the section's 'for' or the run's 'vars')")
 
 
 def _need(d: dict, key: str, where: str, kind=None):
@@ -142,28 +166,37 @@ def load_plan(path: Path, out: Path | None = None) -> Plan:
         raise PlanError(f"{where}: field 'seeds' must be a list of integers")
     columns = _need(raw, "columns", where, list)
     for i, col in enumerate(columns):
-        if not isinstance(col, dict) or "label" not in col or not ({"metric", "recalled", "records"} & col.keys()):
+        _fields(col, "column", f"{where}: columns[{i}]")
+        if "label" not in col or not ({"metric", "recalled", "records"} & col.keys()):
             raise PlanError(f"{where}: columns[{i}] needs 'label' and one of 'metric', 'recalled', 'records'")
-    paper = raw.get("paper") or {}
+        if col.get("model", "last") not in ("last", "best") or col.get("agg", "sum") not in ("sum", "mean"):
+            raise PlanError(f"{where}: columns[{i}]: 'model' is last or best, 'agg' is sum or mean")
+    paper = _fields(raw.get("paper") or {}, "paper", f"{where}: paper")
     values = paper.get("values") or {}
     for key, v in values.items():
-        if not isinstance(v, dict) or len(v.get("values") or []) != len(paper.get("columns") or []):
+        _fields(v, "paper value", f"{where}: paper.values[{key!r}]")
+        if len(v.get("values") or []) != len(paper.get("columns") or []) or not {"table", "row"} <= v.keys():
             raise PlanError(f"{where}: paper.values[{key!r}] needs 'table', 'row' and one value per paper.columns")
     labels = {c["label"] for c in columns}
-    if raw.get("glance") and raw["glance"].get("column") not in labels:
-        raise PlanError(f"{where}: glance.column {raw['glance'].get('column')!r} is not a column label")
-    default_data = (raw.get("prepare") or {}).get("data")
+    glance = _fields(raw.get("glance") or {}, "glance", f"{where}: glance")
+    if glance and glance.get("column") not in labels:
+        raise PlanError(f"{where}: glance.column {glance.get('column')!r} is not a column label")
+    prepare = _fields(raw.get("prepare") or {}, "prepare", f"{where}: prepare")
+    default_data = prepare.get("data")
     sections, runs, section_runs = [], {}, []
     for i, template in enumerate(_need(raw, "sections", where, list)):
         factors = template.get("for", raw.get("for", []))
         combos = [dict(kv for d in combo for kv in d.items()) for combo in itertools.product(*factors)] or [{}]
         for combo in combos:
-            sec = fill({k: v for k, v in template.items() if k != "for"}, combo)
+            sec = fill(_fields({k: v for k, v in template.items() if k != "for"}, "section",
+                               f"{where}: sections[{i}]"), combo)
             swhere = f"{where}: sections[{i}] ({sec.get('heading', '?')})"
             heading = _need(sec, "heading", swhere, str)
+            _unfilled([heading, sec.get("note") or ""], swhere)
             mine = []
             for name, spec in _need(sec, "runs", swhere, dict).items():
                 rwhere = f"{swhere}: runs.{name}"
+                _fields(spec, "run", rwhere)
                 data = spec.get("data", default_data)
                 if not data:
                     raise PlanError(f"{rwhere}: missing field 'data' (and the plan has no prepare.data)")
@@ -171,6 +204,9 @@ def load_plan(path: Path, out: Path | None = None) -> Plan:
                 run = Run(dir=spec.get("dir", f"runs/{name}"), data=fill(data, run_vars),
                           methods=list(_need(spec, "methods", rwhere, list)), bench=flat(spec.get("bench", [])),
                           vars=run_vars)
+                _unfilled([run.dir, run.data, run.bench], rwhere, allowed={"seed"})
+                _unfilled(fill(prepare.get("command") or [], run_vars), f"{where}: prepare.command, for {rwhere}",
+                          allowed=FILLED_LATER)
                 if run.dir in runs:
                     same = runs[run.dir]
                     if (same.data, same.methods, same.bench) != (run.data, run.methods, run.bench):
@@ -181,11 +217,13 @@ def load_plan(path: Path, out: Path | None = None) -> Plan:
             names = dict(mine)
             rows = []
             for j, row in enumerate(_need(sec, "rows", swhere, list)):
-                if not isinstance(row, dict) or row.get("run") not in names:
+                _fields(row, "row", f"{swhere}: rows[{j}]")
+                if row.get("run") not in names:
                     raise PlanError(f"{swhere}: rows[{j}]: 'run' must name one of this section's runs {sorted(names)}")
                 row = {**row, "dir": names[row["run"]]}
                 if not row.get("floor"):
                     _need(row, "method", f"{swhere}: rows[{j}]", str)
+                    _need(row, "label", f"{swhere}: rows[{j}]", str)
                     if row["method"] not in runs[row["dir"]].methods and not row["method"].startswith(FLOOR):
                         raise PlanError(f"{swhere}: rows[{j}]: run {row['run']} does not train {row['method']!r}")
                     keys = row.get("paper") or []
@@ -195,6 +233,10 @@ def load_plan(path: Path, out: Path | None = None) -> Plan:
                 rows.append(row)
             sections.append((heading, sec.get("note"), rows, bool(sec.get("class_floor"))))
             section_runs.append(mine)
+    shown = {r["label"] for _, _, rows, _ in sections for r in rows if not r.get("floor")}
+    missing = [label for label in glance.get("rows") or [] if label not in shown]
+    if missing:
+        raise PlanError(f"{where}: glance.rows: {missing[0]!r} is the label of no row")
     out = (out or REPO / _need(raw, "out", where, str)).resolve()
     return Plan(path, raw, out, seeds, sections, runs, section_runs)
 
@@ -225,18 +267,19 @@ def prepare(plan: Plan, run: Run, seed: int, src: Path) -> None:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
-def bench(plan: Plan, run: Run, seed: int, threads: int) -> int:
+def bench(plan: Plan, run: Run, seeds: list, threads: int) -> int:
     cmd = [fedlabels(), "bench", "--data", data_path(plan, run), "--methods", ",".join(run.methods),
-           "--seeds", str(seed), *flat(plan.raw.get("bench", [])), *run.bench,
+           "--seeds", ",".join(map(str, seeds)), *flat(plan.raw.get("bench", [])), *run.bench,
            "--out", str(plan.out / run.dir)]
-    log = plan.out / "logs" / f"{run.dir.replace('/', '-')}-seed{seed}.log"
+    which = f"seed {seeds[0]}" if len(seeds) == 1 else "seeds " + ",".join(map(str, seeds))
+    log = plan.out / "logs" / f"{run.dir.replace('/', '-')}-{which.replace(' ', '').replace(',', '-')}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    print(f"[tables] {run.dir} seed {seed}: {' '.join(cmd)}", flush=True)
+    print(f"[tables] {run.dir} {which}: {' '.join(cmd)}", flush=True)
     with open(log, "a") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": str(threads)}).returncode
-    print(f"[tables] {run.dir} seed {seed}: exit {rc} after {time.time() - t0:.0f}s (log {log})", flush=True)
+    print(f"[tables] {run.dir} {which}: exit {rc} after {time.time() - t0:.0f}s (log {log})", flush=True)
     return rc
 
 
@@ -340,17 +383,26 @@ def fmt(vals) -> str:
     return f"{np.mean(vals):.1f}" + (f" ± {np.std(vals, ddof=1):.1f}" if len(vals) > 1 else "")
 
 
-def column_text(got: list, col) -> str:
+def seed_cells(plan: Plan, cells: dict, row: dict) -> list:
+    """The row's cell of each of the plan's seeds, in seed order; None where that seed has not finished."""
+    return [cells.get((row["dir"], row["method"], s)) for s in plan.seeds]
+
+
+def column_text(by_seed: list, col) -> str:
+    """One column of one row; per-split columns list every seed in order, '-' where it has not finished."""
+    got = [c for c in by_seed if c is not None]
+    if not got:
+        return "not run"
     if col.get("recalled"):
-        return ",".join(str(recalled(c)) for c in got) or "-"
+        return ",".join("-" if c is None else str(recalled(c)) for c in by_seed)
     if col.get("records"):
-        texts = [records(c, col) or "-" for c in got]
+        texts = ["-" if c is None else records(c, col) or "-" for c in by_seed]
         return " ; ".join(texts) if any(t != "-" for t in texts) else ""
     vals = [value(c, col) for c in got]
-    if got and all(v is None for v in vals):
+    if all(v is None for v in vals):
         return "—"  # finished cells that do not hold this value: not "not run"
     if col.get("per_split"):
-        return ", ".join("-" if v is None else f"{100 * v:.1f}" for v in vals) or "not run"
+        return ", ".join("-" if c is None or value(c, col) is None else f"{100 * value(c, col):.1f}" for c in by_seed)
     return fmt(vals)
 
 
@@ -421,8 +473,9 @@ def section_table(plan: Plan, rows: list, cells: dict, splits: dict, with_class_
     head = ["row", *[c["label"] for c in columns]] + ([f"paper {' / '.join(paper['columns'])}"] if paper else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        got = [cells[k] for k in ((row["dir"], row["method"], s) for s in plan.seeds) if k in cells]
-        cols = [column_text(got, c) for c in columns]
+        by_seed = seed_cells(plan, cells, row)
+        got = [c for c in by_seed if c is not None]
+        cols = [column_text(by_seed, c) for c in columns]
         lines.append(f"| {row['label']} ({len(got)}) | " + " | ".join(cols)
                      + (f" | {paper_text(plan, row)} |" if paper else " |"))
     if with_class_floor:
@@ -444,14 +497,17 @@ def glance(plan: Plan, expanded: list, cells: dict, splits: dict) -> list:
     lines = [f"## {spec.get('heading', spec['column'] + ' at a glance')}", "",
              "| section | " + " | ".join(labels) + " | floor (chosen on test) |", "|---|" + "---|" * (len(labels) + 1)]
     for heading, rows, with_class_floor in expanded:
+        if not any(r["label"] in labels for r in rows if not r.get("floor")):
+            continue  # a section of other rows (an ablation) has no line here
         texts = []
         for label in labels:
             row = next((r for r in rows if r["label"] == label and not r.get("floor")), None)
             if row is None:
                 texts.append("")
                 continue
-            got = [cells[k] for k in ((row["dir"], row["method"], s) for s in plan.seeds) if k in cells]
-            text = column_text(got, col)
+            by_seed = seed_cells(plan, cells, row)
+            got = [c for c in by_seed if c is not None]
+            text = column_text(by_seed, col)
             one = sum(1 for c in got if any(r["metric"] == "recall" and r["class"] != "mean" for r in c["rows"])
                       and recalled(c) == 1)
             text += f" ({one}/{len(got)} one class)" if one else ""
@@ -465,13 +521,12 @@ def glance(plan: Plan, expanded: list, cells: dict, splits: dict) -> list:
         else:
             floors = []
             for row in (r for r in rows if r.get("floor")):
-                vals = [value(cells[k], col) for k in ((row["dir"], row["method"], s) for s in plan.seeds) if k in cells]
+                vals = [value(c, col) for c in seed_cells(plan, cells, row) if c is not None]
                 if any(v is not None for v in vals):
                     floors.append((float(np.mean([v for v in vals if v is not None])), row))
             best = max(floors, key=lambda f: f[0])[1] if floors else None
-            texts.append("not run" if best is None else column_text(
-                [cells[k] for k in ((best["dir"], best["method"], s) for s in plan.seeds) if k in cells], col)
-                + f" ({best['short']})")
+            texts.append("not run" if best is None else
+                         f"{column_text(seed_cells(plan, cells, best), col)} ({best['short']})")
         lines.append(f"| {heading} | " + " | ".join(texts) + " |")
     return lines + [""]
 
@@ -532,12 +587,19 @@ def main(argv=None) -> int:
             prepare(plan, plan.runs[d], seed, args.src.resolve())
         t0 = time.time()
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            codes = list(pool.map(lambda t: bench(plan, plan.runs[t[0]], t[1], threads), todo))
-        print(f"[tables] {len(todo)} runs in {time.time() - t0:.0f}s; failed: "
-              f"{[t for t, c in zip(todo, codes) if c] or 'none'}", flush=True)
+            codes = list(pool.map(lambda t: bench(plan, plan.runs[t[0]], [t[1]], threads), todo))
+        failed = [t for t, c in zip(todo, codes) if c]
+        # Each bench process wrote its run's results.md / results.csv for its own seed: one more pass per
+        # run with every seed (its cells finished, so it only reads them) makes them cover the run.
+        for d in dict.fromkeys(d for d, _ in todo if len(plan.seeds) > 1 and not any(f[0] == d for f in failed)):
+            if bench(plan, plan.runs[d], plan.seeds, threads):
+                failed.append((d, plan.seeds))
+        print(f"[tables] {len(todo)} runs in {time.time() - t0:.0f}s; failed: {failed or 'none'}", flush=True)
+    else:
+        failed = []
     record_splits(plan)
     print(write_table(plan))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

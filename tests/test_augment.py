@@ -67,6 +67,18 @@ def test_draws_follow_the_per_case_transforms_ranges_and_probability():
     q = c.randomize(20_000)
     assert abs(q["apply"].mean() - 0.3) < 0.02 and q["gamma"].min() >= 0.8 and q["gamma"].max() <= 1.25
     assert torch.equal(t(_images(), {**p, "apply": np.zeros(6, bool)}), _images())  # prob 0: untouched
+    # single numbers read as MONAI reads them: the first axis's range; a contrast gamma g is U(0.5, g)
+    one = BatchRandAffine(prob=1.0, scale_range=0.1, translate_range=2)
+    one.set_random_state(seed=0)
+    p = one.randomize(1000)
+    assert np.all(p["scale"][:, 1] == 1) and np.abs(p["scale"][:, 0] - 1).max() > 0.09
+    assert np.all(p["shift"][:, 1] == 0) and np.abs(p["shift"][:, 0]).max() > 1.9
+    g = BatchRandAdjustContrast(prob=1.0, gamma=2.0)
+    g.set_random_state(seed=0)
+    q = g.randomize(1000)["gamma"]
+    assert q.min() >= 0.5 and q.min() < 0.6 and q.max() <= 2.0
+    with pytest.raises(ValueError, match="above 0.5"):
+        BatchRandAdjustContrast(gamma=0.4)
 
 
 def test_the_cxr_preset_moves_the_augmentation_to_the_batch_and_a_reseed_redraws_it(cxr_data):

@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,27 @@ def test_rerun_skips_every_cell(run):
     assert ": start" not in stdout
     assert {p: p.stat().st_mtime_ns for p in cells} == before
     assert (out / "results.csv").read_text() == table
+
+
+def test_rerun_reuses_cells_computed_at_another_path_of_the_same_split(run, tmp_path):
+    """Cells keep absolute paths; a checkout elsewhere (or another machine) holds the same split and
+    bundle under other ones. The folder names decide; another split's folder is refused."""
+    out = tmp_path / "out"
+    shutil.copytree(run["out"], out)
+    cells = sorted((out / "cells").glob("*.json"))
+    for path in cells:
+        cell = json.loads(path.read_text())
+        cell["config"]["bundle"] = "/elsewhere/bundles/" + Path(cell["config"]["bundle"]).name
+        cell["config"]["data"] = "/elsewhere/data/" + Path(cell["config"]["data"]).name
+        path.write_text(json.dumps(cell))
+    code, stdout, stderr = _main(BENCH + ["--out", out])
+    assert code == 0, stderr
+    assert stdout.count("skipped (done)") == len(cells) and ": start" not in stdout
+    cell = json.loads(cells[0].read_text())
+    cell["config"]["data"] = "/elsewhere/data/another-split"
+    cells[0].write_text(json.dumps(cell))
+    code, _, stderr = _main(BENCH + ["--out", out])
+    assert code != 0 and "computed with other settings (data:" in stderr
 
 
 def test_numbers_are_the_engines_own_a_plumbing_check(run):

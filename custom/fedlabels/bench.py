@@ -564,6 +564,13 @@ def _cell_path(plan: Plan, cell: Cell) -> Path:
     return plan.out / "cells" / f"{cell_name(cell.method, cell.seed)}.json"
 
 
+def _where_free(config: dict) -> dict:
+    """A cell's settings with its split and bundle named by their folders: a checkout moved to another place
+    (or cells computed on another machine) holds the same split under another absolute path."""
+    return {k: Path(v).name if k in ("data", "bundle") and isinstance(v, str) and not v.startswith("embedded:")
+            else v for k, v in config.items()}
+
+
 def _check_finished(plan: Plan, todo: list) -> dict:
     """Finished cells whose settings match; refuse (before training) one computed with other settings."""
     done = {}
@@ -575,8 +582,8 @@ def _check_finished(plan: Plan, todo: list) -> dict:
             saved = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e}); remove it to recompute the cell") from None
-        want = _jsonable(cell_config(plan, cell))
-        have = saved.get("config", {})
+        want = _where_free(_jsonable(cell_config(plan, cell)))
+        have = _where_free(saved.get("config", {}))
         diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
         if diff:
             shown = ", ".join(f"{k}: {have.get(k)!r} there, {want.get(k)!r} now" for k in diff[:3])

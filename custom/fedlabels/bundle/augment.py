@@ -20,24 +20,29 @@ from monai.data import list_data_collate
 from monai.transforms import Randomizable
 
 
-def _pair(value) -> tuple:
-    value = value if isinstance(value, Sequence) else [value]
-    return (float(value[0]), float(value[-1]))
+def _ranges(value, axes: int) -> list:
+    """MONAI's reading of a RandAffine range: one entry per axis (a number f: U(-f, f); a pair: U(lo, hi));
+    a single number is the first axis's, the axes not given do not move."""
+    value = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else [value]
+    value = (value + [None] * axes)[:axes]
+    return [(0.0, 0.0) if f is None else (float(f[0]), float(f[1])) if isinstance(f, Sequence) else (-float(f), float(f))
+            for f in value]
 
 
 class BatchRandAffine(Randomizable):
     """``RandAffine(prob, rotate_range, scale_range, translate_range, padding_mode)`` of 2D images, per case of a
-    (B, C, H, W) batch: with probability ``prob`` a rotation in U(-r, r) rad, a scale of 1 + U(-s, s) and a
-    shift of U(-t, t) pixels per axis, about the image centre (MONAI's convention), bilinear."""
+    (B, C, H, W) batch: with probability ``prob`` a rotation drawn from ``rotate_range`` (rad), a scale of
+    1 + a draw from ``scale_range`` and a shift of a draw from ``translate_range`` (pixels) per axis, about
+    the image centre, read and applied as MONAI does; bilinear."""
 
     def __init__(self, prob=0.1, rotate_range=0.0, scale_range=0.0, translate_range=0.0, padding_mode="border"):
         self.prob = float(prob)
-        self.rotate = _pair(rotate_range)[0]
-        self.scale, self.shift = _pair(scale_range), _pair(translate_range)
+        self.rotate = _ranges(rotate_range, 1)[0]  # 2D: one angle
+        self.scale, self.shift = _ranges(scale_range, 2), _ranges(translate_range, 2)
         self.padding_mode = padding_mode
 
     def randomize(self, n: int) -> dict:
-        draw = lambda r: self.R.uniform(-r, r, n)  # noqa: E731
+        draw = lambda r: self.R.uniform(r[0], r[1], n)  # noqa: E731
         return {"apply": self.R.rand(n) < self.prob, "rotate": draw(self.rotate),
                 "scale": np.stack([1 + draw(self.scale[0]), 1 + draw(self.scale[1])], 1),
                 "shift": np.stack([draw(self.shift[0]), draw(self.shift[1])], 1)}
@@ -74,10 +79,17 @@ class BatchRandAffine(Randomizable):
 
 class BatchRandAdjustContrast(Randomizable):
     """``RandAdjustContrast(prob, gamma)`` per case of a batch: with probability ``prob`` the case's intensities
-    x -> ((x - min) / range) ** g * range + min, g in U(gamma), min and range the case's own."""
+    x -> ((x - min) / range) ** g * range + min, g in U(gamma) (a single number: U(0.5, gamma), as MONAI),
+    min and range the case's own."""
 
     def __init__(self, prob=0.1, gamma=(0.5, 4.5)):
-        self.prob, self.gamma = float(prob), _pair(gamma)
+        self.prob = float(prob)
+        if isinstance(gamma, Sequence):
+            self.gamma = (float(gamma[0]), float(gamma[1]))
+        elif gamma > 0.5:
+            self.gamma = (0.5, float(gamma))
+        else:
+            raise ValueError(f"gamma: a single number must be above 0.5 (the range is (0.5, gamma)), got {gamma}")
 
     def randomize(self, n: int) -> dict:
         return {"apply": self.R.rand(n) < self.prob, "gamma": self.R.uniform(self.gamma[0], self.gamma[1], n)}
@@ -101,17 +113,23 @@ class BatchCollate(Randomizable):
 
     def __init__(self, transforms: Sequence = (), keys: Sequence[str] = ("image",)):
         self.transforms, self.keys = list(transforms), tuple(keys)
+        self._worker = None
 
     def set_random_state(self, seed=None, state=None):
         super().set_random_state(seed, state)
         for i, t in enumerate(self.transforms):
-            t.set_random_state(seed=None if seed is None else int(seed) + i)
+            # offsets no other per-round seed of a site uses (TwoViews seeds its strong view with seed + 1)
+            t.set_random_state(seed=None if seed is None else (int(seed) + 7_919 * (i + 1)) % 2**32)
         return self
 
     def randomize(self, data=None) -> None:  # the transforms draw for themselves
         pass
 
     def __call__(self, batch):
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None and self._worker != worker.id:  # each loader worker process its own draws
+            self._worker = worker.id
+            self.set_random_state(seed=worker.seed % 2**32)
         out = list_data_collate(batch)
         for key in self.keys:
             for t in self.transforms:
