@@ -27,12 +27,17 @@ A plan (YAML, ``benchmarks/plans/``) says what a table holds; this script holds 
   alone, the floor) or ``{run, floor: true}`` (every site trained alone in that run, with its share of
   the training cases); ``class_floor: true`` adds
   local learning with one model per class (each class scored by the best site that annotates it);
-* ``glance`` (optional): ``{column, heading}``, one line per section and one column per row label;
-* ``extends``: a base plan whose keys this one replaces.
+* ``glance`` (optional): ``{column, heading, rows}``, one line per section that has any of ``rows`` (row
+  labels; default every row), one column per row;
+* ``extends``: a base plan whose keys this one replaces; ``x-...`` fields hold YAML anchors only.
+
+A misspelt field anywhere, a row naming no run, a paper key that is not there or a ``{name}`` no
+variable fills stops the plan before anything runs, naming the file and the field.
 
 Runs are resumable: ``fedlabels bench`` keeps finished cells, so a run interrupted and started again
 computes only what is missing. Each (run, seed) is one bench process; ``--jobs 2`` runs two at once with
-one torch thread each. TABLE.md is assembled from every finished cell (``not run`` where none yet) and
+one torch thread each; a last pass per run with every seed writes the run's results.md over all of
+them. The exit status is 1 when a run failed. TABLE.md is assembled from every finished cell (``not run`` where none yet) and
 written under a temporary name first. What the table needs from the prepared splits (each site's share
 of the training cases, the classes it annotates) is kept in ``splits.json`` beside it, so that
 ``--table-only`` on a checkout without the data writes the same table.
