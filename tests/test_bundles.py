@@ -621,3 +621,32 @@ def test_nothing_was_written_into_the_committed_bundles():
         extra = sorted(p.name for p in folder.iterdir() if p.name not in ("configs", "docs", "LICENSE"))
         assert not extra, f"{folder}: unexpected {extra}"
     assert not (REPO / "eval").exists() and not (REPO / "models").exists()
+
+
+def test_a_network_is_built_again_when_another_thread_imported_during_monais_component_scan():
+    """MONAI builds its component table by iterating sys.modules; an nvflare client thread importing at
+    that moment makes it raise (seen once in CI). The build is tried again; other errors are not."""
+    from unittest import mock
+
+    from monai.bundle import config_item
+
+    from fedlabels.bundle import network
+
+    scan, calls = config_item.ComponentLocator._find_module_names, []
+
+    def racing(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("dictionary changed size during iteration")
+        return scan(self)
+
+    with mock.patch.object(config_item.ComponentLocator, "_find_module_names", racing):
+        assert isinstance(network("medmnist_cnn"), torch.nn.Module)
+    assert len(calls) == 2
+
+    def broken(self):
+        raise RuntimeError("something else")
+
+    with mock.patch.object(config_item.ComponentLocator, "_find_module_names", broken), \
+            pytest.raises(RuntimeError, match="something else"):
+        network("medmnist_cnn")

@@ -59,4 +59,12 @@ def network(bundle, overrides: dict | None = None, parser=None, **config):
     parser = parser or read(bundle, **config)
     for key, value in (overrides or {}).items():
         parser[f"network_def#{key}"] = value
-    return parser.get_parsed_content("network_def", instantiate=True)
+    # The parser's first instantiation builds MONAI's table of components by iterating sys.modules, which
+    # raises when another thread imports a module at that moment (an nvflare client process has such
+    # threads): a failed build leaves no table behind, so it is tried again.
+    for attempt in range(3):
+        try:
+            return parser.get_parsed_content("network_def", instantiate=True)
+        except RuntimeError as exc:
+            if "changed size during iteration" not in str(exc) or attempt == 2:
+                raise
