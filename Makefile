@@ -37,13 +37,18 @@ demo: venv
 # The deployment lane (a provisioned federation on loopback, POC mode) waits on nvflare's heartbeats and
 # job polling far more than it computes (about a third of one core), so it runs in a second pytest
 # process beside the rest of the suite; its output follows the suite's, and either failing fails the target.
+# Both lanes write their temporary folders (simulator workspaces, kits, checkpoints: several GB) into one
+# new folder, removed when both pass and kept, with its path printed, when one fails.
 test: venv
 	@mkdir -p $(REPORTS)
-	@$(BIN)/python -m pytest -q -m "deploy and not poc_jobs" --durations=15 --junitxml=$(REPORTS)/junit-deploy.xml tests \
-	    > $(REPORTS)/deploy.log 2>&1 & deploy=$$!; \
-	$(BIN)/python -m pytest -q -m "not deploy and not poc_jobs" --durations=15 --junitxml=$(REPORTS)/junit.xml tests; rest=$$?; \
+	@tmp=$$(mktemp -d -t fedlabels-tests.XXXXXX); \
+	$(BIN)/python -m pytest -q -m "deploy and not poc_jobs" --basetemp=$$tmp/deploy --durations=15 \
+	    --junitxml=$(REPORTS)/junit-deploy.xml tests > $(REPORTS)/deploy.log 2>&1 & deploy=$$!; \
+	$(BIN)/python -m pytest -q -m "not deploy and not poc_jobs" --basetemp=$$tmp/suite --durations=15 \
+	    --junitxml=$(REPORTS)/junit.xml tests; rest=$$?; \
 	wait $$deploy; lane=$$?; echo "---- deployment lane (-m deploy) ----"; cat $(REPORTS)/deploy.log; \
-	test $$rest -eq 0 -a $$lane -eq 0
+	echo "tests wrote $$(du -sh $$tmp | cut -f1) of temporary files in $$tmp"; \
+	if [ $$rest -eq 0 -a $$lane -eq 0 ]; then rm -rf $$tmp; else echo "kept $$tmp for inspection"; exit 1; fi
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "$(FAST)" --durations=15 --junitxml=$(REPORTS)/junit-fast.xml tests

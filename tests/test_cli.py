@@ -314,7 +314,7 @@ def test_provisioning_gives_each_hospital_its_admin_its_byoc_policy_and_guards_t
     assert cli.main(["provision", "--project", "study", "--server", "localhost", "--admin", "admin@example.org",
                      "--sites", "hospital-a,hospital-b", "--org-admin", "hospital-a=it@a.example.org",
                      "--no-byoc", "hospital-b", "--withhold-batchnorm", "hospital-a", "--noise-summary", "hospital-b",
-                     "--out", str(out)]) == 0
+                     "--server-storage", "/srv/fedlabels", "--out", str(out)]) == 0
     spec = yaml.safe_load((out / "project.yml").read_text())
     admins = {p["name"]: (p["org"], p["role"]) for p in spec["participants"] if p["type"] == "admin"}
     assert admins == {"admin@example.org": ("fedlabels", "project_admin"),
@@ -338,6 +338,10 @@ def test_provisioning_gives_each_hospital_its_admin_its_byoc_policy_and_guards_t
                                                                                "delta": 1e-05}}
                                                         if site == "hospital-b" else None)
     assert not (prod / "localhost" / "local" / "privacy.json").exists()
+    resources = json.loads((prod / "localhost" / "local" / "resources.json").read_text())  # --server-storage
+    assert resources["snapshot_persistor"]["args"]["storage"]["args"]["root_dir"] == "/srv/fedlabels/snapshot-storage"
+    assert [c["args"]["uri_root"] for c in resources["components"] if c["id"] == "job_manager"] == \
+        ["/srv/fedlabels/jobs-storage"]
     assert stat.S_IMODE((out / "study" / "state" / "cert.json").stat().st_mode) == 0o600
     assert stat.S_IMODE((out / "study" / "state").stat().st_mode) == 0o700
     assert (out / ".gitignore").read_text().splitlines()[-1] == "*"
@@ -346,10 +350,13 @@ def test_provisioning_gives_each_hospital_its_admin_its_byoc_policy_and_guards_t
                 "--sites", "hospital-a", "--org-admin", "hospital-z=x@example.org", "--out", tmp_path / "org"],
         "byoc": ["provision", "--project", "s", "--server", "localhost", "--admin", "admin@example.org",
                  "--sites", "hospital-a", "--no-byoc", "hospital-z", "--out", tmp_path / "byoc"],
+        "storage": ["provision", "--project", "s", "--server", "localhost", "--admin", "admin@example.org",
+                    "--sites", "hospital-a", "--server-storage", "store", "--out", tmp_path / "storage"],
     })
     assert "--org-admin hospital-z=...: 'hospital-z' is not one of --sites" in _one_error_line(bad["org"])
     assert "--no-byoc 'hospital-z': not one of --sites" in _one_error_line(bad["byoc"])
-    assert not (tmp_path / "org").exists() and not (tmp_path / "byoc").exists()
+    assert "--server-storage 'store': give an absolute path" in _one_error_line(bad["storage"])
+    assert not any((tmp_path / name).exists() for name in bad)
 
 
 def test_job_py_writes_its_folder_with_out_and_explains_export(tmp_path):

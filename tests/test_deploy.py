@@ -77,7 +77,8 @@ def fed(tmp_path_factory):
     fl_port, admin_port = free_ports(2)
     out = subprocess.run([FEDLABELS, "provision", "--project", "loop", "--server", "localhost",
                           "--sites", ",".join(SITES), "--admin", ADMIN, "--out", str(tmp / "prov"),
-                          "--fl-port", str(fl_port), "--admin-port", str(admin_port), "--no-byoc", "site-2"],
+                          "--fl-port", str(fl_port), "--admin-port", str(admin_port), "--no-byoc", "site-2",
+                          "--server-storage", str(tmp / "server-storage")],
                          capture_output=True, text=True, check=True).stdout
     kits = {line.split()[0]: Path(line.split()[1]) for line in out.splitlines() if len(line.split()) == 2}
     # sites send a heartbeat every 10 s (nvflare's default): 25 s tolerates one late beat
@@ -177,6 +178,8 @@ def test_a_job_runs_on_the_loopback_federation_and_its_model_serves(fed, tmp_pat
         own = json.loads((fed["data"][site] / site / "datalist.json").read_text())["training"]
         assert f"[{site}] fedavg on synthetic-cxr: {len(own)} training cases" in site_log(fed, site, job_id)
     assert sorted(json.loads((result / "workspace" / "cross_site_eval.json").read_text())) == list(SITES)
+    # the server keeps the job in the store its kit was provisioned with (--server-storage), not in /tmp/nvflare
+    assert (fed["tmp"] / "server-storage" / "jobs-storage" / job_id / "workspace").is_file()
 
     model = result / "workspace" / "app_server" / "FL_global_model.pt"
     # each hospital's audit record: what it sent, task by task
@@ -582,3 +585,8 @@ def test_the_same_job_runs_in_poc_mode(tmp_path):
         time.sleep(1)
     left = kit_processes(workspace)
     assert not left, f"POC services left running: {[(p.pid, p.cmdline()) for p in left]}"
+    # PocEnv's server keeps jobs in nvflare's default store outside the workspace: remove this test's job
+    resources = json.loads(next(workspace.rglob("server/local/resources.json.default")).read_text())
+    (store,) = [c["args"]["uri_root"] for c in resources["components"] if c.get("id") == "job_manager"]
+    assert (Path(store) / job_id).is_dir()
+    shutil.rmtree(Path(store) / job_id)

@@ -156,17 +156,35 @@ def no_byoc_policy(default: dict) -> dict:
     return policy
 
 
-def allow_fedlabels(kit: Path) -> Path:
-    """The kit's ``local/resources.json``: its default with ``ALLOWED`` added to ``class_allow_list``."""
+def _resources(kit: Path) -> tuple:
     local = Path(kit) / "local"
     path = local / "resources.json"
-    config = json.loads((path if path.exists() else local / "resources.json.default").read_text())
+    return path, json.loads((path if path.exists() else local / "resources.json.default").read_text())
+
+
+def allow_fedlabels(kit: Path) -> Path:
+    """The kit's ``local/resources.json``: its default with ``ALLOWED`` added to ``class_allow_list``."""
+    path, config = _resources(kit)
     allowed = list(config.get("class_allow_list") or [])
     if not allowed:
         from nvflare.app_common.default_component_policy import DEFAULT_CLASS_ALLOW_LIST
 
         allowed = list(DEFAULT_CLASS_ALLOW_LIST)
     config["class_allow_list"] = allowed + [c for c in ALLOWED if c not in allowed]
+    write_atomic(path, json.dumps(config, indent=2).encode())
+    return path
+
+
+def server_storage(kit: Path, root: str) -> Path:
+    """The server kit's ``local/resources.json`` with its job store (``root/jobs-storage``: every submitted
+    job and its finished workspace, which a resumed run reads) and its snapshot store (``root/snapshot-storage``)
+    under ``root``. nvflare's defaults lie in /tmp/nvflare, which a reboot may empty and which every server
+    on the machine shares."""
+    path, config = _resources(kit)
+    root = Path(root)
+    config["snapshot_persistor"]["args"]["storage"]["args"]["root_dir"] = str(root / "snapshot-storage")
+    (manager,) = [c for c in config["components"] if c.get("id") == "job_manager"]
+    manager["args"]["uri_root"] = str(root / "jobs-storage")
     write_atomic(path, json.dumps(config, indent=2).encode())
     return path
 
@@ -210,11 +228,12 @@ def protect(out: Path, name: str) -> None:
 
 def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int = 8002,
               admin_port: int = 8003, org_admins: dict | None = None, no_byoc=(), withhold_batchnorm=(),
-              noise_summary=()) -> dict:
+              noise_summary=(), storage: str | None = None) -> dict:
     """Write ``out/project.yml`` and run ``nvflare provision``; {participant: startup kit folder}.
     ``no_byoc``: sites whose ``local/authorization.json`` refuses jobs with custom code;
     ``withhold_batchnorm``: sites whose ``local/privacy.json`` removes batch norm from every reply;
-    ``noise_summary``: sites that noise their label summary (``SITE_NOISE``) whatever the job says.
+    ``noise_summary``: sites that noise their label summary (``SITE_NOISE``) whatever the job says;
+    ``storage``: an absolute folder on the server machine for its job and snapshot stores (``server_storage``).
 
     Provisioning again into the same ``out`` keeps the root CA (nvflare's state
     folder) and writes the next ``prod_NN``."""
@@ -225,6 +244,8 @@ def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int
         unknown = sorted(set(named) - set(sites))
         if unknown:
             raise ProvisionError(f"{option} {unknown[0]!r}: not one of --sites {sites}")
+    if storage is not None and not Path(storage).is_absolute():  # the server runs from wherever its kit is unpacked
+        raise ProvisionError(f"--server-storage {storage!r}: give an absolute path on the server machine")
     out.mkdir(parents=True, exist_ok=True)
     project_file = out / "project.yml"
     write_atomic(project_file, yaml.safe_dump(spec, sort_keys=False).encode())
@@ -238,6 +259,8 @@ def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int
     for p in spec["participants"]:
         if p["type"] in ("server", "client"):
             allow_fedlabels(kits[p["name"]])
+        if p["type"] == "server" and storage:
+            server_storage(kits[p["name"]], storage)
         if p["type"] == "client":
             site_policy(kits[p["name"]], withhold_batchnorm=p["name"] in withhold_batchnorm,
                         noise_summary=SITE_NOISE if p["name"] in noise_summary else None)
