@@ -454,6 +454,7 @@ def class_floor(plan: Plan, rows: list, cells: dict, splits: dict, columns: list
                 counts = splits.get(os.path.relpath(data_path(plan, plan.runs[row["dir"]], seed), plan.out))
                 if cell is None or counts is None:
                     continue
+                # the scenario's classes: prepare's class sets cover every class (partition.missing_class_sets)
                 classes = {c for s in counts.values() for c in s["annotated"]}
                 for c in counts[row["method"][len(FLOOR):]]["annotated"]:
                     v = value(cell, col, cls=c)
