@@ -105,13 +105,18 @@ def prepare_job(spec, where: Path, tag: str = "") -> tuple:
     return export(spec, where / f"jobs{tag}"), where / f"{spec.name}{tag}.log"
 
 
-def run_job(spec, data, job_dir, log, tag="", threads=None, env=None, base=None, timeout=300) -> tuple:
+# A bound that only catches a hung run: a 2-site run takes 1-2 minutes beside the other tests on a slow 2-core
+# machine (one with its sites taking turns in one worker process ran past 300 s there), so leave it room.
+RUN_TIMEOUT = 1200
+
+
+def run_job(spec, data, job_dir, log, tag="", threads=None, env=None, base=None, timeout=RUN_TIMEOUT) -> tuple:
     run_dir = simulate(job_dir, Path(log).parent / f"ws{tag}", spec.sites, data=data, threads=threads or spec.sites,
                        log=log, timeout=timeout, environ=environ(env, base))
     return run_dir, log
 
 
-def simulate_job(spec, data, where: Path, tag: str = "", threads=None, env=None, timeout=300) -> tuple:
+def simulate_job(spec, data, where: Path, tag: str = "", threads=None, env=None, timeout=RUN_TIMEOUT) -> tuple:
     """One simulator run of ``spec`` (already changed, see ``job``) on ``data`` under ``where``;
     (server run folder, log). ``threads``: worker processes, default one per site. ``env``: changes to
     the environment (default ``ONE_THREAD``)."""
