@@ -38,10 +38,11 @@ demo: venv
 # job polling far more than it computes (about a third of one core), so it runs in a second pytest
 # process beside the rest of the suite; its output follows the suite's, and either failing fails the target.
 # Both lanes write their temporary folders (simulator workspaces, kits, checkpoints: several GB) into one
-# new folder, removed when both pass and kept, with its path printed, when one fails.
+# new folder, removed when both pass and kept, with its path printed, when one fails. TMPDIR points into it
+# too, so what a killed process (a fault drill) leaves in its own temporary folder goes with the rest.
 test: venv
 	@mkdir -p $(REPORTS)
-	@tmp=$$(mktemp -d -t fedlabels-tests.XXXXXX); \
+	@tmp=$$(mktemp -d -t fedlabels-tests.XXXXXX); mkdir $$tmp/tmp; export TMPDIR=$$tmp/tmp; \
 	$(BIN)/python -m pytest -q -m "deploy and not poc_jobs" --basetemp=$$tmp/deploy --durations=15 \
 	    --junitxml=$(REPORTS)/junit-deploy.xml tests > $(REPORTS)/deploy.log 2>&1 & deploy=$$!; \
 	$(BIN)/python -m pytest -q -m "not deploy and not poc_jobs" --basetemp=$$tmp/suite --durations=15 \

@@ -51,9 +51,12 @@ def test_auroc_interval_matches_a_stratified_reference_bootstrap():
     ref_rng = np.random.default_rng(1)
     pos, neg = p[y == 1], p[y == 0]
     ref = []
-    for _ in range(4000):  # resample positives and negatives apart, score with sklearn
+    for i in range(4000):  # resample positives and negatives apart; score by the AUROC's definition
         a, b = ref_rng.choice(pos, len(pos)), ref_rng.choice(neg, len(neg))
-        ref.append(roc_auc_score(np.r_[np.ones(len(a)), np.zeros(len(b))], np.r_[a, b]))
+        # P(positive > negative) + P(tie) / 2 over every pair (sklearn took 4000 x 25 ms on a loaded 2-core machine)
+        ref.append(((a[:, None] > b[None, :]).mean() + 0.5 * (a[:, None] == b[None, :]).mean()))
+        if i < 50:  # the definition is sklearn's AUROC
+            assert ref[-1] == pytest.approx(roc_auc_score(np.r_[np.ones(len(a)), np.zeros(len(b))], np.r_[a, b]))
     assert lo == pytest.approx(np.percentile(ref, 2.5), abs=0.02)
     assert hi == pytest.approx(np.percentile(ref, 97.5), abs=0.02)
     assert lo < roc_auc_score(y, p) < hi and hi - lo > 0.1
