@@ -35,7 +35,8 @@ A misspelt field anywhere, a row naming no run, a paper key that is not there or
 variable fills stops the plan before anything runs, naming the file and the field.
 
 Runs are resumable: ``fedlabels bench`` keeps finished cells, so a run interrupted and started again
-computes only what is missing. Each (run, seed) is one bench process; ``--jobs 2`` runs two at once with
+computes only what is missing, and a run copies a finished cell of another run of the plan that has its
+settings (``--reuse``: an ablation's floor rows are the main run's) instead of training it again. Each (run, seed) is one bench process; ``--jobs 2`` runs two at once with
 one torch thread each; a last pass per run with every seed writes the run's results.md over all of
 them. The exit status is 1 when a run failed. TABLE.md is assembled from every finished cell (``not run`` where none yet) and
 written under a temporary name first. What the table needs from the prepared splits (each site's share
@@ -273,9 +274,12 @@ def prepare(plan: Plan, run: Run, seed: int, src: Path) -> None:
 
 
 def bench(plan: Plan, run: Run, seeds: list, threads: int) -> int:
+    # The plan's other runs lend their finished cells that have this run's settings (bench checks them):
+    # an ablation run's floor rows are the main run's.
+    others = [plan.out / d for d in plan.runs if d != run.dir and (plan.out / d / "cells").is_dir()]
     cmd = [fedlabels(), "bench", "--data", data_path(plan, run), "--methods", ",".join(run.methods),
            "--seeds", ",".join(map(str, seeds)), *flat(plan.raw.get("bench", [])), *run.bench,
-           "--out", str(plan.out / run.dir)]
+           "--out", str(plan.out / run.dir), *[a for d in others for a in ("--reuse", str(d))]]
     which = f"seed {seeds[0]}" if len(seeds) == 1 else "seeds " + ",".join(map(str, seeds))
     log = plan.out / "logs" / f"{run.dir.replace('/', '-')}-{which.replace(' ', '').replace(',', '-')}.log"
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -126,6 +126,22 @@ def test_rerun_reuses_cells_computed_at_another_path_of_the_same_split(run, tmp_
     assert code != 0 and "computed with other settings (data:" in stderr
 
 
+def test_reuse_copies_only_cells_with_the_same_settings(run, tmp_path):
+    """An ablation beside a finished run (``--reuse``): the cells whose settings it shares (surgical, the
+    floor rows) are copied as they are; FedAvg, trained here with another learning rate, is trained."""
+    out = tmp_path / "ablation"
+    code, stdout, stderr = _main(BENCH + ["--out", out, "--opt", "fedavg:lr=0.002", "--reuse", run["out"]])
+    assert code == 0, stderr
+    source = {p.name: p for p in (run["out"] / "cells").glob("*.json")}
+    copied = sorted(n for n in source if f"{n}" != "fedavg-seed0.json")
+    assert copied and len(copied) == len(source) - 1
+    assert stdout.count("reused from") == len(copied) and stdout.count(": start") == 1
+    assert "fedavg seed 0: start" in stdout
+    for name in copied:
+        assert json.loads((out / "cells" / name).read_text()) == json.loads(source[name].read_text())
+    assert json.loads((out / "cells" / "fedavg-seed0.json").read_text())["config"]["client_options"]["lr"] == 0.002
+
+
 def test_numbers_are_the_engines_own_a_plumbing_check(run):
     """Plumbing check: the CSV's numbers for FedAvg (last and best, mean and per class) and one floor row
     equal ``references.federate`` / ``score`` / ``local`` called directly with the same settings. Not an
@@ -187,6 +203,7 @@ def test_test_items_with_a_group_are_also_scored_per_group(run, tmp_path):
     (["--eval-rounds", "0"], "outside 1..2"),
     (["--eval-rounds", "1"], "the last scored round 1 is not --rounds 2"),
     (["--synth", "no_such=1"], "unknown option"),
+    (["--reuse", "no-such-bench-folder"], "no cells/ folder there"),
 ])
 def test_bad_input_fails_before_any_cell(tmp_path, extra, message):
     out = tmp_path / "out"

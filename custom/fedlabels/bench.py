@@ -48,7 +48,8 @@ the FLARE simulator, then scores ``FL_global_model.pt`` (last) and
 
 Outputs: ``OUT/cells/<cell>-seed<s>.json`` (one per finished cell, written
 atomically; a rerun skips finished cells and refuses cells computed with
-other settings), ``OUT/results.csv`` (long format), ``OUT/results.md``
+other settings; ``--reuse DIR`` copies a missing cell from another bench folder
+when its settings are the same), ``OUT/results.csv`` (long format), ``OUT/results.md``
 (mean ± sd over seeds) and ``OUT/plots/*.png``.
 """
 
@@ -167,6 +168,7 @@ class Plan:
     per_seed_split: bool = False
     datasets: dict = field(default_factory=dict)  # seed -> scenario folder (resolved)
     scenarios: dict = field(default_factory=dict)  # seed -> profile.Scenario
+    reuse: list = field(default_factory=list)      # other bench folders whose finished cells may be copied
 
     @property
     def config(self) -> dict | None:
@@ -283,11 +285,15 @@ def make_plan(args) -> Plan:
     image_size = getattr(args, "image_size", None)
     if image_size is not None and image_size < 8:
         raise ValueError(f"--image-size must be >= 8 pixels, got {image_size}")
+    reuse = [Path(d).resolve() for d in getattr(args, "reuse", None) or []]
+    for d in reuse:
+        if not (d / "cells").is_dir():
+            raise ValueError(f"--reuse {d}: no cells/ folder there (another fedlabels bench --out folder)")
     return Plan(data=data, bundle=bundle, methods=names, seeds=seeds, rounds=args.rounds, local_epochs=epochs,
                 eval_rounds=eval_rounds, engine=args.engine, synth=synth, batch_size=args.batch_size,
                 out=Path(args.out).resolve(), options=options, floor_client=floor, family=family,
                 per_seed_split=bool(family) or "{seed}" in data, network=network, image_size=image_size,
-                protocol=protocol)
+                protocol=protocol, reuse=reuse)
 
 
 def prepare_data(plan: Plan) -> None:
@@ -571,22 +577,49 @@ def _where_free(config: dict) -> dict:
             else v for k, v in config.items()}
 
 
+def _same_settings(plan: Plan, cell: Cell, saved: dict) -> list:
+    """The settings in which a saved cell differs from ``cell`` in this plan (none: it can stand for it)."""
+    want = _where_free(_jsonable(cell_config(plan, cell)))
+    have = _where_free(saved.get("config", {}))
+    return [(k, have.get(k), want.get(k)) for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)]
+
+
+def _reused(plan: Plan, cell: Cell, path: Path) -> dict | None:
+    """A finished cell of the same name and settings in a ``--reuse`` folder, copied to ``path``. (An ablation
+    run of a plan shares its floor cells with the main run: the same split, bundle and floor settings.)"""
+    from .profile import write_json_atomic
+
+    for folder in plan.reuse:
+        there = folder / "cells" / path.name
+        try:
+            saved = json.loads(there.read_text())
+        except (OSError, json.JSONDecodeError):  # missing or unreadable there: it is not a finished cell
+            continue
+        if not _same_settings(plan, cell, saved):
+            write_json_atomic(path, saved)
+            _say(f"[bench] {cell.label}: reused from {there}")
+            return saved
+    return None
+
+
 def _check_finished(plan: Plan, todo: list) -> dict:
-    """Finished cells whose settings match; refuse (before training) one computed with other settings."""
+    """Finished cells whose settings match (here, or copied from a ``--reuse`` folder); refuse (before
+    training) one here computed with other settings."""
     done = {}
     for cell in todo:
         path = _cell_path(plan, cell)
         if not path.is_file():
+            saved = _reused(plan, cell, path)
+            if saved is not None:
+                done[(cell.method, cell.seed)] = saved
             continue
         try:
             saved = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e}); remove it to recompute the cell") from None
-        want = _where_free(_jsonable(cell_config(plan, cell)))
-        have = _where_free(saved.get("config", {}))
-        diff = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+        diff = _same_settings(plan, cell, saved)
         if diff:
-            shown = ", ".join(f"{k}: {have.get(k)!r} there, {want.get(k)!r} now" for k in diff[:3])
+            shown = ", ".join(f"{k}: {have!r} there, {want!r} now" for k, have, want in diff[:3])
             raise ValueError(f"{path}: computed with other settings ({shown}); use another --out or remove the file")
         done[(cell.method, cell.seed)] = saved
     return done
@@ -895,6 +928,9 @@ def add_parser(sub) -> None:
                    help="network option of every row, e.g. widen_factor=0.25 (the bundle's network_def arguments)")
     s.add_argument("--image-size", type=int, help="input size in pixels of every row (default: the bundle's)")
     s.add_argument("--out", required=True, help="output folder (results.csv, results.md, plots/, cells/)")
+    s.add_argument("--reuse", action="append", metavar="DIR",
+                   help="another bench --out folder: a cell not finished here whose file there has the same "
+                        "settings is copied instead of trained (e.g. an ablation's floor rows); repeatable")
     s.set_defaults(fn=cmd_bench)
 
 
