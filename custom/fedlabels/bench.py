@@ -577,8 +577,9 @@ def _where_free(config: dict) -> dict:
             else v for k, v in config.items()}
 
 
-def _same_settings(plan: Plan, cell: Cell, saved: dict) -> list:
-    """The settings in which a saved cell differs from ``cell`` in this plan (none: it can stand for it)."""
+def _differences(plan: Plan, cell: Cell, saved: dict) -> list:
+    """(setting, saved value, value now) where a saved cell differs from ``cell`` in this plan (none: it can
+    stand for it)."""
     want = _where_free(_jsonable(cell_config(plan, cell)))
     have = _where_free(saved.get("config", {}))
     return [(k, have.get(k), want.get(k)) for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)]
@@ -595,7 +596,7 @@ def _reused(plan: Plan, cell: Cell, path: Path) -> dict | None:
             saved = json.loads(there.read_text())
         except (OSError, json.JSONDecodeError):  # missing or unreadable there: it is not a finished cell
             continue
-        if not _same_settings(plan, cell, saved):
+        if not _differences(plan, cell, saved):
             write_json_atomic(path, saved)
             _say(f"[bench] {cell.label}: reused from {there}")
             return saved
@@ -617,7 +618,7 @@ def _check_finished(plan: Plan, todo: list) -> dict:
             saved = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e}); remove it to recompute the cell") from None
-        diff = _same_settings(plan, cell, saved)
+        diff = _differences(plan, cell, saved)
         if diff:
             shown = ", ".join(f"{k}: {have!r} there, {want!r} now" for k, have, want in diff[:3])
             raise ValueError(f"{path}: computed with other settings ({shown}); use another --out or remove the file")
