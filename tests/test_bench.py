@@ -133,7 +133,7 @@ def test_reuse_copies_only_cells_with_the_same_settings(run, tmp_path):
     code, stdout, stderr = _main(BENCH + ["--out", out, "--opt", "fedavg:lr=0.002", "--reuse", run["out"]])
     assert code == 0, stderr
     source = {p.name: p for p in (run["out"] / "cells").glob("*.json")}
-    copied = sorted(n for n in source if f"{n}" != "fedavg-seed0.json")
+    copied = sorted(n for n in source if n != "fedavg-seed0.json")
     assert copied and len(copied) == len(source) - 1
     assert stdout.count("reused from") == len(copied) and stdout.count(": start") == 1
     assert "fedavg seed 0: start" in stdout

@@ -62,8 +62,8 @@ SERVER_ENV = {"NVFLARE_DEAD_CLIENT_GRACE_PERIOD": "2", "NVFLARE_DEAD_CLIENT_CHEC
 # What only catches a hung job or command. A slow 2-core machine, with the rest of the suite beside
 # this lane, takes 2-4 times an idle fast one's time: the bounds leave room for that.
 HANG = 600
-# The hostile-replies job's site_timeout: round 0 includes each hospital's job process starting (imports,
-# the bundle), which took over 15 s on a slow loaded machine, so 15 left the healthy site out too.
+# The hostile-replies job's site_timeout: on a slow loaded machine both hospitals took over 15 s to answer
+# round 0, so 15 left the healthy site out too.
 SITE_TIMEOUT = 60
 
 
