@@ -367,3 +367,107 @@ def test_options_are_checked_by_name_and_range():
     # the run's seed reaches RSCFed's draws unless the job sets one
     assert methods.get("rscfed").make_server(run_seed=7).seed == 7
     assert methods.get("rscfed").make_server(run_seed=7, seed=1).seed == 1
+
+
+# ---------------------------------------------------------------- the released-code settings (preset isofed_rscfed)
+
+
+def test_sgd_momentum_weight_decay_and_clipping_by_hand():
+    """One parameter p = (3, 4) with the gradient (6, 8) (norm 10) twice; clip 5, lr 0.1, momentum 0.9,
+    weight decay 5e-4: the clip rescales the raw gradient to (3, 4), SGD then adds wd * p (RSCFed's order:
+    clip_grad_norm_, then optimizer.step)."""
+    from fedlabels.methods.base import make_optimizer
+
+    p = torch.nn.Parameter(torch.tensor([3.0, 4.0]))
+    opt = make_optimizer("sgd", [p], lr=0.1, weight_decay=5e-4, momentum=0.9, clip_grad_norm=5)
+    p.grad = torch.tensor([6.0, 8.0])
+    opt.step()
+    d1 = np.array([3.0, 4.0]) + 5e-4 * np.array([3.0, 4.0])  # clipped gradient + weight decay
+    p1 = np.array([3.0, 4.0]) - 0.1 * d1                       # = (2.69985, 3.5998); buffer = d1
+    np.testing.assert_allclose(p.detach().numpy(), p1, rtol=0, atol=1e-6)
+    p.grad = torch.tensor([6.0, 8.0])
+    opt.step()
+    buf = 0.9 * d1 + (np.array([3.0, 4.0]) + 5e-4 * p1)
+    np.testing.assert_allclose(p.detach().numpy(), p1 - 0.1 * buf, rtol=0, atol=1e-6)
+    # without the clip the same step moves twice as far (the clip is what changed it)
+    q = torch.nn.Parameter(torch.tensor([3.0, 4.0]))
+    opt = make_optimizer("sgd", [q], lr=0.1, momentum=0.0)
+    q.grad = torch.tensor([6.0, 8.0])
+    opt.step()
+    np.testing.assert_allclose(q.detach().numpy(), [2.4, 3.2], rtol=0, atol=1e-6)
+
+
+def _mt_reference(start, teacher_start, batches, rounds, lr, weight, rampup, clip, wd, temperature=0.5, alpha=0.3):
+    """A mean-teacher client by hand over ``rounds`` rounds of one local epoch, each from ``start`` (the
+    same global model every round), the SGD optimizer (momentum 0.9) carried from round to round, the
+    consistency weight ``weight`` x min(1, round / rampup), gradients clipped at ``clip``."""
+    ref = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=0.9, weight_decay=wd)
+    for rnd in range(rounds):
+        ref.load_state_dict(start)
+        teacher = copy.deepcopy(ref) if teacher_start is None else teacher_start
+        for b in batches:
+            with torch.no_grad():
+                p_t = torch.softmax(teacher(b["image"]), 1)
+                p_t = p_t ** (1 / temperature) / (p_t ** (1 / temperature)).sum(1, keepdim=True)
+            p_s = torch.softmax(ref(b["image_strong"]), 1)
+            loss = weight * min(1.0, rnd / rampup) * ((p_t - p_s) ** 2).sum(1).mean()
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            opt.step()
+            with torch.no_grad():
+                for t, s in zip(teacher.parameters(), ref.parameters()):
+                    t.copy_(alpha * s + (1 - alpha) * t)
+    return ref.state_dict()
+
+
+def test_unlabeled_site_lr_ramp_clip_and_carried_optimizer_match_a_reference_loop():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    start = copy.deepcopy(net.state_dict())
+    batches = _batches(n=3)
+    opts = dict(optimizer="sgd", lr=0.03, lr_unlabeled=2.0, consistency_weight=4.0, consistency_rampup=2,
+                clip_grad_norm=0.05, weight_decay=5e-4, ema_alpha=0.3)
+    client = SemiSupClient(net, _site(False, batches), **opts)
+    for rnd in range(3):
+        update = client.train(to_numpy(start), rnd)
+    expected = _mt_reference(start, None, batches, rounds=3, lr=2.0, weight=4.0, rampup=2, clip=0.05, wd=5e-4)
+    for k, v in expected.items():
+        np.testing.assert_allclose(update.weights[k], v.numpy(), rtol=0, atol=1e-5)
+    assert client.optimizer.param_groups[0]["lr"] == 2.0  # the unlabeled site's lr, not lr
+    # each setting changes the result: a fresh optimizer every round, no clip, or no ramp
+    for change in ({"reset_optimizer": True}, {"clip_grad_norm": None}, {"consistency_rampup": 0}):
+        other = SemiSupClient(torch.nn.Linear(3, 2), _site(False, batches), **{**opts, **change})
+        for rnd in range(3):
+            u = other.train(to_numpy(start), rnd)
+        assert not np.allclose(u.weights["weight"], update.weights["weight"], atol=1e-5), change
+
+
+def test_the_ramp_by_hand_and_round_zero_of_a_ramp_leaves_the_student_where_it_was():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    batches = _batches()
+    client = SemiSupClient(net, _site(False, batches), consistency_weight=0.02, consistency_rampup=4, epochs=2)
+    got = []
+    for rnd in range(3):
+        for e in range(2):
+            client.current_round, client.local_epoch = rnd, e
+            got.append(client.unlabeled_weight())
+    assert got == pytest.approx([0.0, 0.005, 0.01, 0.015, 0.02, 0.02])  # 0.02 x t/4, t = 2 round + epoch, capped
+    start = to_numpy(net.state_dict())
+    flat = SemiSupClient(net, _site(False, batches), consistency_weight=0.02, consistency_rampup=4, optimizer="sgd")
+    u = flat.train(start, 0)  # weight 0 at t = 0: no gradient, no weight decay: nothing moves
+    for k, v in start.items():
+        np.testing.assert_array_equal(u.weights[k], v)
+
+
+def test_a_labeled_site_keeps_lr_when_lr_unlabeled_is_set():
+    batches = [{"image": torch.randn(4, 3), "label": torch.tensor([0, 1, 0, 1])}]
+    net = torch.nn.Linear(3, 2)
+    client = SemiSupClient(net, _site(True, batches), lr=0.03, lr_unlabeled=0.021, optimizer="sgd")
+    client.train(to_numpy(net.state_dict()), 0)
+    assert client.optimizer.param_groups[0]["lr"] == 0.03
+    for bad in ({"lr_unlabeled": 0}, {"consistency_rampup": -1}, {"clip_grad_norm": -1}, {"momentum": 1.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SemiSupClient(torch.nn.Linear(3, 2), _site(False, _batches()), **bad)

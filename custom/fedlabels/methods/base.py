@@ -240,13 +240,29 @@ def ema_update(teacher: torch.nn.Module, student: torch.nn.Module, alpha: float)
         t.copy_(s)
 
 
-def make_optimizer(name: str, params, lr: float, weight_decay: float = 0.0):
-    """The one optimizer factory: ``params`` is a list of tensors or of parameter groups."""
+def make_optimizer(name: str, params, lr: float, weight_decay: float = 0.0, momentum: float = 0.9,
+                   clip_grad_norm: float | None = None):
+    """The one optimizer factory: ``params`` is a list of tensors or of parameter groups.
+
+    ``momentum``: SGD's (Adam has its own betas and ignores it). ``clip_grad_norm``: before every
+    step the gradients of the optimizer's parameters are rescaled so their joint L2 norm is at most
+    this value (``torch.nn.utils.clip_grad_norm_``, RSCFed's ``--max_grad_norm``); None or 0: off.
+    The clip lives on the optimizer (a step pre-hook), so every rule that steps it clips, whatever
+    its own training step looks like."""
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {name!r}; use 'adam' or 'sgd'")
+        opt = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    elif name == "sgd":
+        opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    else:
+        raise ValueError(f"unknown optimizer {name!r}; use 'adam' or 'sgd'")
+    if clip_grad_norm:
+        max_norm = float(clip_grad_norm)
+
+        def clip(optimizer, args, kwargs):
+            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_norm)
+
+        opt.register_step_pre_hook(clip)
+    return opt
 
 
 class ClientRule:
@@ -260,11 +276,15 @@ class ClientRule:
     skips (not counted in n). ``pos_weighted`` (multi-label only; default on)
     weights each class's positives by N_neg / N_pos over the site's cases
     annotated for it (``losses.pos_weight_from_counts``), the same rule for
-    every method.
+    every method. ``momentum`` (SGD only; default 0.9) and ``clip_grad_norm`` (None: off) reach
+    every optimizer the rule makes (``make_optimizer``). ``reset_optimizer`` False (default) keeps
+    the optimizer, and so SGD's momentum buffers or Adam's moments, from one round to the next
+    (RSCFed's released code carries each client's optimizer state this way); True makes a fresh
+    one every round.
     """
 
     def __init__(self, net, ctx: SiteContext, *, lr=1e-3, epochs=1, weight_decay=0.0, optimizer="adam",
-                 bn_policy="fedavg", pos_weighted=None, reset_optimizer=False):
+                 bn_policy="fedavg", pos_weighted=None, reset_optimizer=False, momentum=0.9, clip_grad_norm=None):
         if bn_policy not in BN_POLICIES:
             raise ValueError(f"bn_policy {bn_policy!r} is not one of {BN_POLICIES}")
         if bn_policy == "fedbn+" and batchnorm_keys(net) and not getattr(net, "init_ckpt", None):
@@ -279,6 +299,13 @@ class ClientRule:
         self.profile, self.device = ctx.profile, ctx.device
         self.lr, self.epochs, self.weight_decay, self.optimizer_name = float(lr), int(epochs), float(weight_decay), optimizer
         self.bn_policy, self.reset_optimizer = bn_policy, bool(reset_optimizer)
+        if not 0 <= float(momentum) < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if clip_grad_norm is not None and not float(clip_grad_norm) >= 0:
+            raise ValueError(f"clip_grad_norm must be >= 0 (0 or None: off), got {clip_grad_norm}")
+        self.momentum = float(momentum)
+        self.clip_grad_norm = float(clip_grad_norm) if clip_grad_norm else None
+        self.current_round, self.local_epoch = 0, 0  # where local training is (rules with schedules read them)
         self.pos_weighted = task == "multilabel" if pos_weighted is None else bool(pos_weighted)
         self.pos_weight = None
         if self.pos_weighted:
@@ -291,8 +318,10 @@ class ClientRule:
         self.received = False
 
     # ---------------------------------------------------------------- hooks
-    def make_optimizer(self, params):
-        return make_optimizer(self.optimizer_name, [p for p in params if p.requires_grad], self.lr, self.weight_decay)
+    def make_optimizer(self, params, lr=None):
+        """An optimizer of this rule's kind over the trainable ``params`` (at ``lr``, default the rule's)."""
+        return make_optimizer(self.optimizer_name, [p for p in params if p.requires_grad],
+                              self.lr if lr is None else lr, self.weight_decay, self.momentum, self.clip_grad_norm)
 
     def loss(self, logits, labels) -> torch.Tensor:
         raise NotImplementedError
@@ -352,7 +381,9 @@ class ClientRule:
             if self.optimizer is None or self.reset_optimizer:
                 self.optimizer = self.make_optimizer(self.net.parameters())
             losses, n = [], 0
-            for _ in range(self.epochs):
+            self.current_round = round
+            for e in range(self.epochs):
+                self.local_epoch = e
                 for batch in self.ctx.train:
                     loss = self.train_step(batch)
                     if loss is None:  # the rule skipped this batch (e.g. too small to split)

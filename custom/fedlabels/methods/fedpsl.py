@@ -106,7 +106,7 @@ class FedPSLClient(HeadMetaMixin, ClientRule):
             return super().make_optimizer(params)
         theta, phi = self.split_parameters()
         groups = [{"params": list(phi.values()), "lr": self.lr}, {"params": list(theta.values()), "lr": self.meta_lr}]
-        return make_optimizer(self.optimizer_name, groups, self.lr, self.weight_decay)
+        return make_optimizer(self.optimizer_name, groups, self.lr, self.weight_decay, self.momentum, self.clip_grad_norm)
 
     def train_step(self, batch):
         if not self.tadl:

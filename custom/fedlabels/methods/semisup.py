@@ -39,8 +39,7 @@ import torch
 
 from ..losses import consistency_mse, information_maximization, masked_cross_entropy, sharpen
 from .aggregate import average_keys, distance_weights
-from .base import (START_GLOBAL, START_PREVIOUS, ClientRule, ServerRule, Step, StopRound, ema_update, frozen_copy,
-                   make_optimizer)
+from .base import START_GLOBAL, START_PREVIOUS, ClientRule, ServerRule, Step, StopRound, ema_update, frozen_copy
 
 
 class SupervisedClient(ClientRule):
@@ -72,12 +71,25 @@ class SemiSupClient(SupervisedClient):
     "all" (the abstract and Fig. 2: every client; a labeled site then trains
     its cross-entropy from the adapted model).
 
+    ``lr_unlabeled`` (None: the client's ``lr``): the learning rate of an unlabeled site (RSCFed's
+    released code trains labeled clients at ``--base_lr``, unlabeled ones at ``--unsup_lr``).
+    ``consistency_rampup`` (local epochs; 0: off): the consistency weight is multiplied by
+    min(1, t / consistency_rampup), t = round x epochs + the local epoch (0-based), the count of
+    local epochs before this one -- RSCFed's ``LinearRampUp`` called with ``com_round * local_ep``
+    and advanced once per local epoch (local_unsupervised.py).
+
     A non-finite teacher or student output stops the site's round with the reason.
     """
 
-    def __init__(self, net, ctx, *, temperature=0.5, ema_alpha=0.001, consistency_weight=1.0, pretrain=False,
-                 pretrain_epochs=1, pretrain_lr=None, pretrain_target="both", pretrain_sites="unlabeled", **kw):
+    def __init__(self, net, ctx, *, temperature=0.5, ema_alpha=0.001, consistency_weight=1.0, consistency_rampup=0,
+                 lr_unlabeled=None, pretrain=False, pretrain_epochs=1, pretrain_lr=None, pretrain_target="both",
+                 pretrain_sites="unlabeled", **kw):
         super().__init__(net, ctx, **kw)
+        if lr_unlabeled is not None and not float(lr_unlabeled) > 0:
+            raise ValueError(f"lr_unlabeled must be > 0 (or None: the client's lr), got {lr_unlabeled}")
+        if not float(consistency_rampup) >= 0:
+            raise ValueError(f"consistency_rampup must be >= 0 local epochs (0: off), got {consistency_rampup}")
+        self.consistency_rampup = float(consistency_rampup)
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         if not 0 <= ema_alpha <= 1:
@@ -95,6 +107,8 @@ class SemiSupClient(SupervisedClient):
         self.pretrain_lr = None if pretrain_lr is None else float(pretrain_lr)
         self.pretrain_target, self.pretrain_sites = pretrain_target, pretrain_sites
         self.labeled = bool(ctx.summary.get("labeled"))
+        if not self.labeled and lr_unlabeled is not None:
+            self.lr = float(lr_unlabeled)  # the unlabeled site's every optimizer (pretraining's default too)
         _strong_views(ctx, not self.labeled)  # a labeled site trains on the weak view only
         self.teacher = None
         self.round_stats = {}
@@ -117,8 +131,7 @@ class SemiSupClient(SupervisedClient):
 
     def adapt(self, net) -> float:
         """Client-adaptive pretraining of ``net``: the information-maximisation loss on local images (weak views)."""
-        opt = make_optimizer(self.optimizer_name, [p for p in net.parameters() if p.requires_grad],
-                             self.pretrain_lr or self.lr, self.weight_decay)
+        opt = self.make_optimizer(net.parameters(), lr=self.pretrain_lr or self.lr)
         losses = []
         strong_was = _strong_views(self.ctx, False)
         try:
@@ -145,12 +158,19 @@ class SemiSupClient(SupervisedClient):
             target = sharpen(torch.softmax(t_logits, 1), self.temperature)
         s_logits = self.net(strong)
         _check(s_logits, "student output")
-        loss = self.consistency_weight * consistency_mse(target, torch.softmax(s_logits, 1))
+        loss = self.unlabeled_weight() * consistency_mse(target, torch.softmax(s_logits, 1))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
         self.update_teacher()
         return float(loss.detach())
+
+    def unlabeled_weight(self) -> float:
+        """The consistency weight of this local epoch: ``consistency_weight`` times the linear ramp."""
+        if not self.consistency_rampup:
+            return self.consistency_weight
+        t = self.current_round * self.epochs + self.local_epoch
+        return self.consistency_weight * min(1.0, t / self.consistency_rampup)
 
     def update_teacher(self):
         """Eq. 1 on parameters; buffers (if any) follow the student."""

@@ -61,7 +61,7 @@ import torch
 
 from ..losses import partial_bce
 from .aggregate import average_keys, classwise_head_mean, head_param_keys, meta_vector, resolve_head_name
-from .base import ANNOTATED, HEAD_NAME, LABELED_MASK, ClientRule, ServerRule, make_optimizer
+from .base import ANNOTATED, HEAD_NAME, LABELED_MASK, ClientRule, ServerRule
 
 
 class HeadMetaMixin:
@@ -106,7 +106,7 @@ class SurgicalClient(HeadMetaMixin, ClientRule):
         net, head = self.net, self.net.head
         net.eval()
         head.train()
-        opt = make_optimizer(self.optimizer_name, list(head.parameters()), self.warmup_lr, self.weight_decay)
+        opt = self.make_optimizer(head.parameters(), lr=self.warmup_lr)
         losses = []
         for _ in range(self.warmup_epochs):
             for batch in self.ctx.train:
