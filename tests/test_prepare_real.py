@@ -13,6 +13,7 @@ elsewhere cannot pass by skipping every real-data check.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -202,3 +203,87 @@ def test_a_bundle_trains_one_epoch_on_each_real_scenario(tmp_path, bundle, datas
     ckpt = export.train_bundle(bundle_dir, out, tmp_path / "train", site="site-1", epochs=1, num_workers=0,
                                class_names=list(classes), **overrides)
     assert Path(ckpt).is_file()
+
+
+# ------------------------------------------------------------------ the preparer traced back to its source file
+
+
+def _dirichlet_rule(labels, k, gamma, rng, min_size):
+    """``partition.dirichlet_split``'s documented rule, written out again: per class (ascending), its
+    cases permuted, proportions ~ Dir(gamma) over the k sites, cut at round(cumsum x n_c); redrawn until
+    every site holds ``min_size`` cases."""
+    while True:
+        owner = np.empty(len(labels), dtype=int)
+        for c in np.unique(labels):
+            idx = rng.permutation(np.flatnonzero(labels == c))
+            cuts = (np.cumsum(rng.dirichlet([gamma] * k))[:-1] * len(idx)).round().astype(int)
+            for s, part in enumerate(np.split(idx, cuts)):
+                owner[part] = s
+        if np.bincount(owner, minlength=k).min() >= min_size:
+            return [set(np.flatnonzero(owner == s)) for s in range(k)]
+
+
+def _rscfed_rule(labels, k, gamma, rng, min_size, fraction=0.1):
+    """``partition.rscfed_split``'s documented rule for one labeled site, written out again."""
+    order = rng.permutation(len(labels))
+    block = int(len(labels) * fraction)
+    pool = order[block:]
+    while True:
+        shares = [[] for _ in range(k - 1)]
+        for c in np.unique(labels):
+            idx = rng.permutation(pool[labels[pool] == c])
+            p = rng.dirichlet([gamma] * k)[:k - 1] * np.array([len(s) < len(pool) / (k - 1) for s in shares])
+            for s, part in zip(shares, np.split(idx, (np.cumsum(p / p.sum()) * len(idx)).astype(int)[:-1])):
+                s.extend(part.tolist())
+        if min(map(len, shares)) >= min_size:
+            return [set(order[:block].tolist())] + [set(s) for s in shares]
+
+
+@pytest.mark.parametrize("name,partition_rule", [("pneumoniamnist", "dirichlet"), ("bloodmnist", "rscfed")])
+def test_every_prepared_case_is_its_source_row_and_the_sites_are_the_seeds_split(tmp_path, name, partition_rule):
+    """Each written image is traced to the row of the .npz it came from by the hash of its pixels
+    (MedMNIST images are written at their native 28 px, so the PNG holds the stored array unchanged,
+    data/build.py), with that row's label; and the rows each site holds are the ones the seed draws,
+    recomputed here from the documented rules (``rng = default_rng(seed)``; ``--limit`` and
+    ``--test-cases`` subsample the official train and test splits with ``rng.choice``, then the split)."""
+    src = need("medmnist", f"{name}.npz")
+    seed, limit, test_cases, gamma = 5, 400, 60, 0.5
+    out = run(name, "--src", src.parent, "--protocol", "isofed", "--gamma", gamma, "--labeled", 1, "--seed", seed,
+              "--partition", partition_rule, "--limit", limit, "--test-cases", test_cases, "--out", tmp_path / "s")
+    sc = load_scenario(out)
+    with np.load(src) as d:
+        arrays = {s: (d[f"{s}_images"], d[f"{s}_labels"].reshape(-1)) for s in ("train", "val", "test")}
+    rows = {}  # pixel hash -> [(split, row, label)]: MedMNIST holds some identical images
+    for split, (images, labels) in arrays.items():
+        for r in range(len(images)):
+            rows.setdefault(hashlib.sha256(images[r].tobytes()).hexdigest(), []).append((split, r, int(labels[r])))
+
+    def trace(item, label):
+        """The (split, row) this written case is: its pixels' hash names the row, with the same label."""
+        px = pixels(item["image"])
+        found = rows.get(hashlib.sha256(px.tobytes()).hexdigest(), [])
+        split, r = Path(item["image"]).stem.rsplit("_", 1)  # the case id the preparer names the file by
+        assert (split, int(r), label) in found, f"{item['image']}: not row {r} of {split} with label {label}"
+        return split, int(r)
+
+    held = []
+    for k, site in enumerate(sc.sites.values()):
+        oracle = site.oracle()
+        traced = [trace(i, i["label"]) for i in oracle["training"] + oracle["validation"]]
+        assert {s for s, _ in traced} == {"train"}  # the sites draw from the official train split only
+        if k == 0:  # the labeled site's own labels are the source's
+            assert [i["label"] for i in items(site)] == [i["label"] for i in oracle["training"] + oracle["validation"]]
+        held.append({r for _, r in traced})
+    test = [trace(i, i["label"]) for i in sc.test]
+    assert {s for s, _ in test} == {"test"} and len({r for _, r in test}) == test_cases
+
+    # the split the seed draws, recomputed from the rules
+    rng = np.random.default_rng(seed)
+    pool = sorted(int(i) for i in rng.choice(np.arange(len(arrays["train"][0])), size=limit, replace=False))
+    chosen_test = sorted(int(i) for i in rng.choice(np.arange(len(arrays["test"][0])), size=test_cases, replace=False))
+    y = arrays["train"][1][pool]
+    rule = _dirichlet_rule(y, 4, gamma, rng, 4) if partition_rule == "dirichlet" else _rscfed_rule(y, 4, gamma, rng, 10)
+    expected = [{pool[j] for j in part} for part in rule]
+    assert held == expected
+    assert [len(h) for h in held] == [len(e) for e in expected] and sum(map(len, held)) == limit
+    assert sorted(r for _, r in test) == chosen_test

@@ -6,6 +6,7 @@ splits are unit-testable and identical for the same seed.
 
 * ``group_split`` / ``split_groups_equal``  patient-level splits (no leakage)
 * ``dirichlet_split``                       label skew, Dir(gamma) per class (IsoFed)
+* ``rscfed_split``                          labeled blocks + capped Dirichlet over the unlabeled sites (RSCFed code)
 * ``missing_class_sets``                    each site drops k classes, all covered (FedMLP)
 * ``shared_class_sets``                     S shared classes + the rest dealt out (Surgical)
 * ``balanced_test``                         n positives + n negatives per class (FedPSL)
@@ -119,6 +120,63 @@ def dirichlet_split(labels, num_sites: int, gamma: float, rng, min_size: int = 2
         if sizes.min() >= min_size:
             return [np.flatnonzero(owner == k).tolist() for k in range(num_sites)]
     raise PrepareError(f"Dirichlet split with gamma={gamma} left a site with fewer than {min_size} cases "
+                       f"after {max_tries} tries; use more cases, fewer sites or a larger gamma")
+
+
+def rscfed_split(labels, num_labeled: int, num_sites: int, gamma: float, rng, labeled_fraction: float = 0.1,
+                 min_size: int = 10, max_tries: int = 1000) -> list:
+    """RSCFed's labeled-block + capped-Dirichlet split (released code, ``cifar_load.py``,
+    ``partition_data`` with ``partition='noniid'``), as a rule on indices:
+
+    1. one permutation of all cases (the code shuffles ``X_train`` and ``y_train`` together);
+    2. labeled site i (i < ``num_labeled``) takes the block ``order[i*B:(i+1)*B]``,
+       B = int(n * ``labeled_fraction``) (the code: ``sup_size = int(len(y_train) / 10)``);
+    3. the rest of the order is the pool of the U = ``num_sites - num_labeled`` unlabeled sites,
+       N cases. Per class c, in order of class value: its pool cases are permuted, proportions
+       p ~ Dir(gamma) over ``num_sites`` entries of which the first U are used (the code draws
+       ``n_parties`` proportions and zips them with the U unlabeled lists), an unlabeled site that
+       already holds >= N / U cases gets p = 0 (the cap), p is renormalised and the class's cases
+       are cut at floor(cumsum(p) * n_c) (``astype(int)``);
+    4. redrawn (step 3 only) until every unlabeled site holds at least ``min_size`` cases
+       (the code's ``min_require_size = 10``).
+
+    Where the code differs, deliberately: its pool offset is one block whatever the number of
+    labeled clients (``+ sup_size``), which overlaps the labeled blocks when there are more than
+    one; here the pool is every case outside the labeled blocks. Its class loop runs over
+    ``range(10)``; here over the classes present. Returns ``num_sites`` sorted index lists, the
+    labeled sites first."""
+    labels = np.asarray(labels)
+    n = len(labels)
+    unlabeled = num_sites - num_labeled
+    if not 0 <= num_labeled <= num_sites or unlabeled < 1:
+        raise PrepareError(f"the RSCFed split needs at least one unlabeled site: {num_labeled} labeled of {num_sites}")
+    if gamma <= 0:
+        raise ValueError(f"gamma must be > 0, got {gamma}")
+    if not (0 < labeled_fraction and num_labeled * labeled_fraction < 1):
+        raise PrepareError(f"labeled fraction {labeled_fraction}: must be > 0, and x {num_labeled} labeled sites < 1")
+    block = int(n * labeled_fraction)
+    order = np.asarray(rng.permutation(n))
+    parts = [sorted(order[i * block:(i + 1) * block].tolist()) for i in range(num_labeled)]
+    if num_labeled and block < 1:
+        raise PrepareError(f"{n} cases x labeled fraction {labeled_fraction} leave the labeled sites no case")
+    pool = order[num_labeled * block:]
+    cap = len(pool) / unlabeled
+    if len(pool) < unlabeled * min_size:
+        raise PrepareError(f"{len(pool)} cases outside the labeled blocks cannot give {unlabeled} unlabeled sites "
+                           f"at least {min_size} each")
+    for _ in range(max_tries):
+        batch = [[] for _ in range(unlabeled)]
+        for c in np.unique(labels):
+            idx = np.asarray(rng.permutation(pool[labels[pool] == c]))
+            p = np.asarray(rng.dirichlet([gamma] * num_sites))[:unlabeled]
+            p = p * np.array([len(b) < cap for b in batch])  # the cap: a site at its fair share takes no more
+            p = p / p.sum()
+            cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
+            for b, part in zip(batch, np.split(idx, cuts)):
+                b.extend(part.tolist())
+        if min(len(b) for b in batch) >= min_size:
+            return parts + [sorted(b) for b in batch]
+    raise PrepareError(f"RSCFed split with gamma={gamma} left an unlabeled site with fewer than {min_size} cases "
                        f"after {max_tries} tries; use more cases, fewer sites or a larger gamma")
 
 

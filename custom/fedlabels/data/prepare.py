@@ -80,6 +80,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--missing", type=int, help="fedmlp/partial: classes removed per site")
     g.add_argument("--gamma", type=float, help="isofed/partial: Dirichlet label-skew concentration (isofed default 0.8)")
     g.add_argument("--labeled", help="isofed: how many sites keep labels (first N), or site numbers '1,3' (default 1)")
+    g.add_argument("--partition", choices=["dirichlet", "rscfed"], default="dirichlet",
+                   help="isofed: 'dirichlet' (default): one Dirichlet(gamma) label split over all sites; 'rscfed': "
+                        "RSCFed's released split, each labeled site a random block of --labeled-fraction of the "
+                        "cases, the rest split over the unlabeled sites by Dirichlet(gamma) with a cap")
+    g.add_argument("--labeled-fraction", type=float,
+                   help="isofed --partition rscfed: each labeled site's share of the cases (default 0.1, RSCFed's)")
     g.add_argument("--supervision", help="fedmix: per-site level letters, e.g. U,B,L  (L=pixel, B=bbox, I=image-level, U=unlabeled)")
     g.add_argument("--shared", type=int, help="surgical-sim: classes every site annotates (default 0)")
     g.add_argument("--site-classes", help="partial: classes per site, ';' between sites, e.g. 'a,b;c;d,e' (names or indices)")
@@ -181,6 +187,7 @@ def options_from_args(args) -> Options:
                    val_fraction=args.val_fraction if args.val_fraction is not None else VAL_DEFAULTS.get(args.protocol, 0.15),
                    limit=args.limit, cases=args.cases, test_cases=args.test_cases, test_per_class=args.test_per_class,
                    test_fraction=args.test_fraction, missing=args.missing, gamma=args.gamma, labeled=args.labeled,
+                   partition=args.partition, labeled_fraction=args.labeled_fraction,
                    supervision=args.supervision, shared=args.shared, site_classes=args.site_classes, folds=args.folds,
                    fold=args.fold, test_split=args.test_split, sample=args.sample, subset=args.subset,
                    keep_normal=args.keep_normal, name=args.name)

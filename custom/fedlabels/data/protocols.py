@@ -13,7 +13,11 @@ surgical-sim       Surgical Aggregation ablation: NIH IID over K sites,
 surgical-real      NIH + CheXpert as two sites over their 20-class union;
                    MIMIC-CXR as external test
 isofed             IsoFed: a multi-class set, Dirichlet(``--gamma``) label skew,
-                   ``--labeled`` sites keep labels, the others are unlabeled
+                   ``--labeled`` sites keep labels, the others are unlabeled;
+                   ``--partition rscfed``: RSCFed's released split instead
+                   (each labeled site a random block of ``--labeled-fraction``
+                   of the cases, the rest Dirichlet-split over the unlabeled
+                   sites with a cap, ``partition.rscfed_split``)
 partial            any multi-class set as one-vs-rest multi-label, each site
                    annotating a chosen or random subset of the classes
 fedmix             FedMix: segmentation sites, each with a supervision level
@@ -51,6 +55,8 @@ class Options:
     missing: int | None = None
     gamma: float | None = None
     labeled: str | None = None
+    partition: str = "dirichlet"
+    labeled_fraction: float | None = None
     supervision: str | None = None
     shared: int | None = None
     site_classes: str | None = None
@@ -145,8 +151,24 @@ def isofed(sources, o: Options, rng, say=print) -> Plan:
     by_patient = P.group_index([cases[i].patient for i in pool])
     patients = list(by_patient)
     plabels = [cases[pool[by_patient[p][0]]].labels for p in patients]
-    min_size = 4 if len(patients) >= 8 * k else 2
-    parts = P.dirichlet_split(plabels, k, gamma, rng, min_size=min_size)
+    if o.partition == "rscfed":
+        frac = 0.1 if o.labeled_fraction is None else o.labeled_fraction
+        unl = [s for s in range(k) if s not in labeled]
+        # RSCFed's min_require_size 10, relaxed where a --limit run has too few cases to reach it
+        min_size = 10 if len(patients) >= 20 * k else 2
+        drawn = P.rscfed_split(plabels, len(labeled), k, gamma, rng, labeled_fraction=frac, min_size=min_size)
+        parts = [None] * k
+        for s, part in zip(labeled + unl, drawn):  # the labeled blocks first, then the unlabeled shares
+            parts[s] = part
+        split_name = f"RSCFed split (labeled block {frac:g}, capped Dirichlet(gamma={gamma}) over the unlabeled sites)"
+    elif o.partition == "dirichlet":
+        if o.labeled_fraction is not None:
+            raise PrepareError("--labeled-fraction applies to --partition rscfed only")
+        min_size = 4 if len(patients) >= 8 * k else 2
+        parts = P.dirichlet_split(plabels, k, gamma, rng, min_size=min_size)
+        split_name = f"Dirichlet(gamma={gamma})"
+    else:
+        raise PrepareError(f"--partition {o.partition!r}: use 'dirichlet' or 'rscfed'")
     sites = []
     for s, name in enumerate(site_names(k)):
         idx = sorted(pool[j] for p in parts[s] for j in by_patient[patients[p]])
@@ -157,10 +179,12 @@ def isofed(sources, o: Options, rng, say=print) -> Plan:
 
         tr, va = _split_site(cases, idx, rng, o.val_fraction, make)
         sites.append(SitePlan(name, classes if is_lab else [], "image" if is_lab else "none", tr, va,
-                              f"{src.name} Dirichlet(gamma={gamma}) share, {'labeled' if is_lab else 'unlabeled'}"))
+                              f"{src.name} {split_name} share, {'labeled' if is_lab else 'unlabeled'}"))
     test_entries = [Entry(cases[i], cases[i].labels, cases[i].labels) for i in test]
     return Plan(o.name or f"{src.name}-isofed", "multiclass", classes, src.channels, None, sites, test_entries,
                 protocol={"name": "isofed", "sites": k, "gamma": gamma, "labeled_sites": [n + 1 for n in labeled],
+                          "partition": o.partition,
+                          **({"labeled_fraction": frac} if o.partition == "rscfed" else {}),
                           "val_fraction": o.val_fraction, "limit": o.limit, "test_cases": len(test), "split": how},
                 sources=[src])
 
