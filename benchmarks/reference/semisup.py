@@ -1,0 +1,326 @@
+"""Independent references of IsoFed, MT+wFedAvg and dynamically weighted FedAvg, in plain PyTorch and NumPy.
+
+Written from the papers (no fedlabels, no MONAI): IsoFed (Saha et al.,
+MICCAI 2023, ../shared/papers/003_*) Sec. 2.2-2.4 and Eq. 1-4, and, where
+IsoFed defers its training settings to RSCFed (Sec. 3.2: "We follow the
+settings prescribed for a training RSCFed"), RSCFed's released code
+(github.com/XMed-Lab/RSCFed; ``RSCFED`` below cites the file and option of
+every value).
+
+* ``dynamic_weights`` / ``wfedavg``: Eq. 2-3. W_avg = sum n_k W_k / sum n_k;
+  c_k = n_k exp(-lambda ||W_k - W_avg||_2 / n_k); W = sum c_k W_k / sum c_k.
+  ``distance="paper"`` is the printed norm of the whole flattened model;
+  ``distance="rscfed"`` is RSCFed's ``FedAvg.py`` ``model_dist``: the sum over
+  the state dict's tensors of each tensor's own norm.
+* Labeled site: cross-entropy (Sec. 2.2). Unlabeled site: mean teacher
+  (Sec. 2.2): the teacher starts as the received model (after pretraining), sees
+  the weak view; the student sees the strong view; the loss is
+  ``lambda_u`` x ||Sharpen(p_teacher, T) - p_student||_2^2 per case, averaged
+  over the batch; after every step W_t <- alpha W_s + (1 - alpha) W_t (Eq. 1,
+  alpha = 1 - RSCFed's ``ema_decay``).
+* Client-adaptive pretraining (Sec. 2.4, Eq. 4, information maximisation):
+  mean per-case entropy minus the entropy of the mean prediction, minimised on
+  the unlabeled site's weak views before the teacher is made; the adapted model
+  starts the teacher and the student.
+* ``isofed`` (Sec. 2.3): the unlabeled sites train from W_glob and are
+  aggregated into W_u (scale ``dist_scale``, RSCFed's rule for a group with no
+  labeled site); the labeled sites train from W_u and are aggregated into the
+  new W_glob (scale ``sup_scale``). ``mt_wfedavg``: every site trains from
+  W_glob at once, one aggregation (the group holds a labeled site:
+  ``sup_scale``). ``wfedavg``: labeled sites only (with ``oracle=True`` every
+  site from its full labels: the paper's upper bound).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from torch import nn
+
+from .fedavg_classification import AUGMENT, IsoFedCNN, load_split, test_metrics
+
+_README = "RSCFed README.md (run example)"
+# RSCFed's released settings, each with where the code says it. (value, source)
+RSCFED = {
+    "optimizer": ("sgd", f"{_README}: --opt=sgd"),
+    "lr_labeled": (0.03, f"{_README}: --base_lr=0.03 (local_supervised.py sets it every round)"),
+    "lr_unlabeled": (0.021, f"{_README}: --unsup_lr=0.021; options.py --unsup_lr default 0.021"),
+    "momentum": (0.9, "local_supervised.py and local_unsupervised.py: torch.optim.SGD(..., momentum=0.9, ...)"),
+    "weight_decay": (5e-4, "local_supervised.py and local_unsupervised.py: torch.optim.SGD(..., weight_decay=5e-4)"),
+    "max_grad_norm": (5.0, f"{_README}: --max_grad_norm=5; options.py default 5 (clip_grad_norm_ every step)"),
+    "batch_size": (64, f"{_README}: --batch_size=64"),
+    "local_epochs": (1, "options.py --local_ep default 1"),
+    "lambda_u": (0.02, f"{_README}: --lambda_u=0.02"),
+    "ramp_up": (None, "options.py --num-warmup-epochs default 0 (the README does not set it): local_unsupervised.py's "
+                      "LinearRampUp(length=0) returns 1.0 every round, so lambda_u is not ramped"),
+    "temperature": (0.5, "utils_SimPLE.py sharpen(x, t=0.5), called without t in local_unsupervised.py"),
+    "ema_decay": (0.999, "options.py --ema_decay default 0.999"),
+    "sup_scale": (1.0, "options.py --sup_scale default 1 (the README's SVHN run: 100)"),
+    "dist_scale": (1e4, f"{_README}: --dist_scale=1e4; options.py default 1e4"),
+    "w_mul_times": (1.0, "options.py --w_mul_times default 1 (the README's SVHN run: 6)"),
+    "carry_optimizer": (True, "train_main.py: sup_optim_locals / unsup_optim_locals keep each client's optimizer "
+                              "state from round to round"),
+    "augment": ("crop+hflip", "cifar_load.py get_dataloader: RandomCrop(input_sz) of a pre_sz image and "
+                              "RandomHorizontalFlip(0.5); an unlabeled client's two views are two draws of that "
+                              "weak transform (TransformTwice(weak_trans))"),
+    "warm_start": ("labeled checkpoint", f"{_README}: --resume --from_labeled (train_main.py loads warmup/*.pth)"),
+    "rounds": (1000, f"{_README}: --rounds=1000"),
+    "distance": ("rscfed", "FedAvg.py model_dist: the sum of per-tensor norms"),
+}
+
+# What the reference runs beside the project's rows (``benchmarks/reference_check.py --rows``): RSCFed's values
+# where the project can express them; each value left out is named, with what runs instead and why.
+CHECK = {"optimizer": "sgd", "lr": RSCFED["lr_labeled"][0], "momentum": RSCFED["momentum"][0],
+         "weight_decay": RSCFED["weight_decay"][0], "batch_size": RSCFED["batch_size"][0],
+         "epochs": RSCFED["local_epochs"][0], "lambda_u": RSCFED["lambda_u"][0],
+         "temperature": RSCFED["temperature"][0], "ema_alpha": round(1 - RSCFED["ema_decay"][0], 12),
+         "sup_scale": RSCFED["sup_scale"][0], "dist_scale": RSCFED["dist_scale"][0],
+         "carry_optimizer": RSCFED["carry_optimizer"][0], "max_grad_norm": None, "augment": "hflip",
+         "strong": "hflip", "scaling": "fixed", "distance": "paper", "pretrain_epochs": 1}
+LEFT_OUT = {
+    "lr_unlabeled": "one lr (RSCFed's labeled 0.03) for every site: the project has one lr per method row",
+    "max_grad_norm": "no clipping: the project's client has no gradient clipping",
+    "augment": "a left-right flip only, no random crop (RSCFed crops 32 px out of 40 px; MedMNIST is 28 px and the "
+               "project's bundle has no crop); the student's view is a second independent flip, as RSCFed's second "
+               "weak view",
+    "warm_start": "none: the project's warmup_rounds is not RSCFed's checkpoint",
+    "rounds": "the check's budget, not 1000",
+    "distance": "the paper's norm of the flattened model (Eq. 3), which the project implements; RSCFed's sum of "
+                "per-tensor norms is the reference's distance='rscfed'",
+    "scaling": "x / 127.5 - 1 (MedMNIST's released Normalize(0.5, 0.5)); RSCFed normalises by its datasets' mean/sd",
+}
+# Not printed by IsoFed nor set by RSCFed (RSCFed has no pretraining): the reference's stated choice.
+CHOICES = {"pretrain_epochs": "1 pass over the unlabeled site's weak views",
+           "pretrain_lr": "the site's lr, a fresh optimizer of the same kind each round",
+           "pretrain_target": "the adapted model starts the teacher and the student (Sec. 2.4 adapts 'the global "
+                              "model' before it initialises the teacher)"}
+
+
+# ---------------------------------------------------------------- aggregation (Eq. 2-3)
+
+
+def mean_state(states: list, weights) -> dict:
+    """sum_k w_k S_k / sum_k w_k per key, in float64, cast back (integer tensors rounded)."""
+    w = np.asarray(weights, dtype=np.float64)
+    if not w.sum() > 0:
+        raise ValueError("weights sum to zero")
+    out = {}
+    for key, first in states[0].items():
+        acc = sum(float(wk) * torch.as_tensor(s[key]).double() for wk, s in zip(w, states)) / float(w.sum())
+        out[key] = (acc.round() if not torch.as_tensor(first).is_floating_point() else acc).to(torch.as_tensor(first).dtype)
+    return out
+
+
+def flat_distance(a: dict, b: dict) -> float:
+    """||a - b||_2 of the whole flattened model (floating-point tensors)."""
+    sq = sum(float(((torch.as_tensor(a[k]).double() - torch.as_tensor(b[k]).double()) ** 2).sum())
+             for k in a if torch.as_tensor(a[k]).is_floating_point())
+    return float(np.sqrt(sq))
+
+
+def sum_of_norms(a: dict, b: dict) -> float:
+    """RSCFed's model_dist: sum over tensors of ||a_t - b_t||_2."""
+    return float(sum(float(torch.linalg.vector_norm(torch.as_tensor(a[k]).double() - torch.as_tensor(b[k]).double()))
+                     for k in a))
+
+
+DISTANCES = {"paper": flat_distance, "rscfed": sum_of_norms}
+
+
+def dynamic_weights(states: list, n, scale: float, distance: str = "paper") -> np.ndarray:
+    """Eq. 3's c_k / sum c_k (Eq. 2's W_avg by n_k): n_k exp(-scale d_k / n_k), d_k = distance(W_k, W_avg)."""
+    n = np.asarray(n, dtype=np.float64)
+    avg = mean_state(states, n)
+    d = np.array([DISTANCES[distance](s, avg) for s in states])
+    z = -scale * d / n
+    c = n * np.exp(z - z.max())  # the common factor exp(max z) cancels in the ratio
+    return c / c.sum()
+
+
+def wfedavg(states: list, n, scale: float, distance: str = "paper") -> dict:
+    """Dynamically weighted FedAvg of ``states``."""
+    return mean_state(states, dynamic_weights(states, n, scale, distance))
+
+
+# ---------------------------------------------------------------- local rules
+
+
+def sharpen(p: torch.Tensor, temperature: float) -> torch.Tensor:
+    """p_i^(1/T) / sum_j p_j^(1/T) over the classes (dim 1)."""
+    q = p ** (1.0 / temperature)
+    return q / q.sum(1, keepdim=True)
+
+
+def im_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Eq. 4 (information maximisation): mean over cases of H(p_i) minus H(mean_i p_i)."""
+    p = torch.softmax(logits, 1)
+    per_case = -(p * torch.log_softmax(logits, 1)).sum(1).mean()
+    p_bar = p.mean(0)
+    return per_case + (p_bar * torch.log(p_bar)).sum()
+
+
+def consistency(teacher_probs: torch.Tensor, student_probs: torch.Tensor) -> torch.Tensor:
+    """||p_t - p_s||_2^2 per case, averaged over the batch (RSCFed: sum of squares / batch size)."""
+    return ((teacher_probs - student_probs) ** 2).sum(1).mean()
+
+
+@torch.no_grad()
+def ema(teacher: nn.Module, student: nn.Module, alpha: float) -> None:
+    """Eq. 1 on the parameters: W_t <- alpha W_s + (1 - alpha) W_t."""
+    for t, s in zip(teacher.parameters(), student.parameters()):
+        t.copy_(alpha * s + (1 - alpha) * t)
+
+
+def optimizer(params, s: dict, lr: float):
+    if s["optimizer"] == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=s["momentum"], weight_decay=s["weight_decay"])
+    if s["optimizer"] == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=s["weight_decay"])
+    raise ValueError(f"optimizer {s['optimizer']!r}: sgd or adam")
+
+
+def _step(loss, opt, net, clip):
+    opt.zero_grad()
+    loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm=clip)
+    opt.step()
+
+
+def _batches(n: int, batch_size: int, gen):
+    order = torch.randperm(n, generator=gen)
+    return [order[i:i + batch_size] for i in range(0, n, batch_size)]
+
+
+def train_labeled(net, opt, x, y, s, gen) -> None:
+    net.train()
+    for _ in range(s["epochs"]):
+        for idx in _batches(len(y), s["batch_size"], gen):
+            _step(nn.functional.cross_entropy(net(AUGMENT[s["augment"]](x[idx], gen)), y[idx]), opt, net,
+                  s["max_grad_norm"])
+
+
+def pretrain(net, x, s, gen) -> None:
+    """Client-adaptive pretraining: the IM loss on weak views, a fresh optimizer of the site's kind and lr."""
+    net.train()
+    opt = optimizer(net.parameters(), s, s["lr"])
+    for _ in range(s["pretrain_epochs"]):
+        for idx in _batches(len(x), s["batch_size"], gen):
+            _step(im_loss(net(AUGMENT[s["augment"]](x[idx], gen))), opt, net, s["max_grad_norm"])
+
+
+def train_unlabeled(net, opt, x, s, gen) -> None:
+    """Mean teacher: the teacher is the model as received here (after any pretraining)."""
+    teacher = copy.deepcopy(net)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    net.train()
+    teacher.eval()  # RSCFed's ema_model.eval() (this CNN has no batch norm or dropout: the same either way)
+    for _ in range(s["epochs"]):
+        for idx in _batches(len(x), s["batch_size"], gen):
+            weak = AUGMENT[s["augment"]](x[idx], gen)
+            strong = AUGMENT[s["strong"]](weak, gen)
+            with torch.no_grad():
+                target = sharpen(torch.softmax(teacher(weak), 1), s["temperature"])
+            loss = s["lambda_u"] * consistency(target, torch.softmax(net(strong), 1))
+            _step(loss, opt, net, s["max_grad_norm"])
+            ema(teacher, net, s["ema_alpha"])
+
+
+# ---------------------------------------------------------------- rounds
+
+METHODS = ("wfedavg", "isofed", "isofed_nopt", "mt_wfedavg")
+
+
+class Site:
+    def __init__(self, x, y, labeled: bool, make_net, s: dict):
+        self.x, self.y, self.labeled, self.n = x, y, labeled, len(x)
+        self.net = make_net()
+        self.s = s
+        self.opt = optimizer(self.net.parameters(), s, s["lr"])
+
+    def train(self, weights: dict, method: str, gen) -> dict:
+        self.net.load_state_dict(weights)  # in place: the optimizer keeps its parameters (and state)
+        if not self.s["carry_optimizer"]:
+            self.opt = optimizer(self.net.parameters(), self.s, self.s["lr"])
+        if self.labeled:
+            train_labeled(self.net, self.opt, self.x, self.y, self.s, gen)
+        else:
+            if method == "isofed":
+                pretrain(self.net, self.x, self.s, gen)
+            train_unlabeled(self.net, self.opt, self.x, self.s, gen)
+        return {k: v.detach().clone() for k, v in self.net.state_dict().items()}
+
+
+def one_round(method: str, sites: list, weights: dict, s: dict, gen) -> dict:
+    """One round of ``method`` from the global ``weights``; returns the new global weights."""
+    labeled = [t for t in sites if t.labeled]
+    unlabeled = [t for t in sites if not t.labeled]
+
+    def group(members, start, scale):
+        states = [t.train(start, method, gen) for t in members]
+        return wfedavg(states, [t.n for t in members], scale, s["distance"])
+
+    if method in ("isofed", "isofed_nopt"):
+        w_u = group(unlabeled, weights, s["dist_scale"]) if unlabeled else weights
+        return group(labeled, w_u, s["sup_scale"])
+    if method == "mt_wfedavg":
+        return group(sites, weights, s["sup_scale"] if labeled else s["dist_scale"])
+    if method == "wfedavg":
+        return group(labeled, weights, s["sup_scale"])
+    raise ValueError(f"method {method!r}: one of {METHODS}")
+
+
+def read_sites(data: Path, channels: int, scaling: str, oracle: bool) -> tuple:
+    """[(images, labels, labeled)] per site from the scenario folder, and the test split."""
+    scenario = yaml.safe_load((data / "scenario.yaml").read_text())
+    out = []
+    for name in scenario["sites"]:
+        items = json.loads((data / name / ("oracle.json" if oracle else "datalist.json")).read_text())["training"]
+        x, y = load_split(data / name, items, channels, scaling)
+        known = y >= 0
+        if known.any() and not known.all():
+            raise ValueError(f"{data / name}: a site here is either fully labeled or fully unlabeled "
+                             f"({int(known.sum())} of {len(y)} cases labeled)")
+        out.append((x, y, bool(known.all())))
+    test = load_split(data / "test", json.loads((data / "test" / "datalist.json").read_text())["testing"],
+                      channels, scaling)
+    return out, test, len(scenario["classes"])
+
+
+def run(data, method: str, rounds: int, eval_rounds, seed: int = 0, oracle: bool = False, channels: int = 3,
+        log=print, **settings) -> dict:
+    """``method`` on a prepared scenario; test metrics at each eval round and the seconds of every round."""
+    s = {**CHECK, **settings}
+    unknown = set(settings) - set(CHECK)
+    if unknown:
+        raise ValueError(f"unknown settings {sorted(unknown)}; settings: {sorted(CHECK)}")
+    data = Path(data)
+    raw, test, classes = read_sites(data, channels, s["scaling"], oracle)
+    if not any(lab for _, _, lab in raw):
+        raise ValueError(f"{data}: no labeled site")
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+
+    def make_net():
+        return IsoFedCNN(channels, classes)
+
+    global_net = make_net()
+    weights = {k: v.clone() for k, v in global_net.state_dict().items()}
+    sites = [Site(x, y, lab, make_net, s) for x, y, lab in raw]
+    out, seconds = {}, []
+    for rnd in range(1, rounds + 1):
+        t0 = time.perf_counter()
+        weights = one_round(method, sites, weights, s, gen)
+        seconds.append(time.perf_counter() - t0)
+        if rnd in eval_rounds:
+            global_net.load_state_dict(weights)
+            out[rnd] = test_metrics(global_net, *test, classes)
+            log(f"[reference] {method} seed {seed} round {rnd}: {out[rnd]}")
+    return {"metrics": out, "seconds_per_round": float(np.mean(seconds)), "seconds": seconds, "settings": s}

@@ -1,0 +1,266 @@
+"""The independent method references (benchmarks/reference/semisup.py, surgical.py) against hand-computed
+numbers, and the project's server rules against the references on the same inputs (one round, same weights,
+same counts: the rules are deterministic there)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from reference import semisup as ref  # noqa: E402
+from reference import surgical as ref_surgical  # noqa: E402
+
+
+def t(x):
+    return torch.tensor(x, dtype=torch.float64)
+
+
+# ---------------------------------------------------------------- Eq. 2-3 by hand
+
+# Two sites, two tensors; n = (3, 1).
+# W_avg = (3 S1 + S2) / 4 = {a: [1.5, 2], b: [0.5]}
+# paper distance (whole model): d1 = sqrt(1.5^2 + 2^2 + 0.5^2) = sqrt(6.5), d2 = sqrt(4.5^2 + 6^2 + 1.5^2) = 3 sqrt(6.5)
+# RSCFed's model_dist (sum of per-tensor norms): d1 = 2.5 + 0.5 = 3, d2 = 7.5 + 1.5 = 9
+S1 = {"a": t([0.0, 0.0]), "b": t([0.0])}
+S2 = {"a": t([6.0, 8.0]), "b": t([2.0])}
+
+
+def test_distances_by_hand():
+    avg = ref.mean_state([S1, S2], [3, 1])
+    assert avg["a"].tolist() == [1.5, 2.0] and avg["b"].tolist() == [0.5]
+    assert ref.flat_distance(S1, avg) == pytest.approx(math.sqrt(6.5))
+    assert ref.flat_distance(S2, avg) == pytest.approx(3 * math.sqrt(6.5))
+    assert ref.sum_of_norms(S1, avg) == pytest.approx(3.0)
+    assert ref.sum_of_norms(S2, avg) == pytest.approx(9.0)
+
+
+@pytest.mark.parametrize("distance,d1,d2", [("paper", math.sqrt(6.5), 3 * math.sqrt(6.5)), ("rscfed", 3.0, 9.0)])
+def test_dynamic_weights_by_hand(distance, d1, d2):
+    # scale 1: c_k = n_k exp(-d_k / n_k)
+    c = np.array([3 * math.exp(-d1 / 3), 1 * math.exp(-d2 / 1)])
+    got = ref.dynamic_weights([S1, S2], [3, 1], 1.0, distance)
+    np.testing.assert_allclose(got, c / c.sum(), rtol=1e-12)
+    # scale 0 is FedAvg by n: 3/4, 1/4, and the aggregate is W_avg
+    np.testing.assert_allclose(ref.dynamic_weights([S1, S2], [3, 1], 0.0, distance), [0.75, 0.25])
+    agg = ref.wfedavg([S1, S2], [3, 1], 0.0, distance)
+    assert agg["a"].tolist() == [1.5, 2.0]
+    # RSCFed's 1e4: every exp underflows alone; the ratio survives and the closer-per-case site takes it all
+    np.testing.assert_allclose(ref.dynamic_weights([S1, S2], [3, 1], 1e4, distance), [1.0, 0.0], atol=1e-12)
+
+
+def test_mean_state_rounds_integer_tensors_and_keeps_dtypes():
+    a = {"w": torch.tensor([1.0], dtype=torch.float32), "k": torch.tensor(1)}
+    b = {"w": torch.tensor([2.0], dtype=torch.float32), "k": torch.tensor(2)}
+    out = ref.mean_state([a, b], [1, 3])  # (1 + 3*2) / 4 = 1.75
+    assert out["w"].dtype == torch.float32 and out["w"].item() == pytest.approx(1.75)
+    assert out["k"].dtype == torch.int64 and out["k"].item() == 2  # 1.75 rounded, not truncated
+
+
+# ---------------------------------------------------------------- local rules by hand
+
+
+def test_sharpen_im_consistency_ema_by_hand():
+    # Sharpen([0.6, 0.4], T = 0.5) = [0.36, 0.16] / 0.52
+    np.testing.assert_allclose(ref.sharpen(t([[0.6, 0.4]]), 0.5).numpy(), [[0.36 / 0.52, 0.16 / 0.52]])
+    # IM: p1 = [0.8, 0.2], p2 = [0.2, 0.8]: mean entropy -(0.8 ln 0.8 + 0.2 ln 0.2) = 0.500402,
+    # mean prediction [0.5, 0.5] with entropy ln 2: 0.500402 - 0.693147 = -0.192745
+    logits = torch.log(t([[0.8, 0.2], [0.2, 0.8]]))
+    assert float(ref.im_loss(logits)) == pytest.approx(-(0.8 * math.log(0.8) + 0.2 * math.log(0.2)) - math.log(2))
+    assert float(ref.im_loss(torch.log(t([[0.5, 0.5], [0.5, 0.5]])))) == pytest.approx(0.0, abs=1e-12)
+    # consistency: case 1 (0.4^2 + 0.4^2) = 0.32, case 2 0: mean 0.16
+    assert float(ref.consistency(t([[1, 0], [0, 1]]), t([[0.6, 0.4], [0, 1]]))) == pytest.approx(0.16)
+    # Eq. 1 with alpha 0.25: 0.25 * 3 + 0.75 * 1 = 1.5
+    teacher, student = torch.nn.Linear(1, 1, bias=False), torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        teacher.weight.fill_(1.0)
+        student.weight.fill_(3.0)
+    ref.ema(teacher, student, 0.25)
+    assert teacher.weight.item() == pytest.approx(1.5)
+
+
+# ---------------------------------------------------------------- round order with stub sites
+
+
+class Stub:
+    """A site whose training returns the received weights plus its own delta; records what it received."""
+
+    def __init__(self, name, labeled, n, delta):
+        self.name, self.labeled, self.n, self.delta, self.seen = name, labeled, n, delta, []
+
+    def train(self, weights, method, gen):
+        self.seen.append(float(weights["w"][0]))
+        return {"w": weights["w"] + self.delta}
+
+
+def stubs():
+    return [Stub("L1", True, 10, 10.0), Stub("U1", False, 10, 1.0), Stub("U2", False, 30, 3.0)]
+
+
+SCALE0 = {**ref.CHECK, "sup_scale": 0.0, "dist_scale": 0.0}
+
+
+def test_isofed_round_by_hand():
+    sites = stubs()
+    new = ref.one_round("isofed", sites, {"w": t([0.0])}, SCALE0, None)
+    # unlabeled group from W_glob = 0: W_u = (10 * 1 + 30 * 3) / 40 = 2.5; the labeled site from W_u: 12.5
+    assert [s.seen for s in sites] == [[2.5], [0.0], [0.0]]
+    assert new["w"].item() == pytest.approx(12.5)
+
+
+def test_mt_wfedavg_round_by_hand():
+    sites = stubs()
+    new = ref.one_round("mt_wfedavg", sites, {"w": t([0.0])}, SCALE0, None)
+    assert [s.seen for s in sites] == [[0.0], [0.0], [0.0]]
+    assert new["w"].item() == pytest.approx((10 * 10 + 10 * 1 + 30 * 3) / 50)  # 4.0
+
+
+def test_the_groups_scales():
+    # unlabeled-only group: dist_scale; a group holding a labeled site: sup_scale. Infinite scale on the unlabeled
+    # group only: W_u is the closest-per-case site's model, the labeled step stays FedAvg
+    sites = [Stub("L1", True, 10, 10.0), Stub("U1", False, 10, 1.0), Stub("U2", False, 10, 9.0),
+             Stub("U3", False, 10, 2.0)]
+    new = ref.one_round("isofed", sites, {"w": t([0.0])}, {**SCALE0, "dist_scale": 1e4}, None)
+    assert sites[0].seen == [2.0]  # W_avg = 4; U3 (distance 2) is the closest
+    assert new["w"].item() == pytest.approx(12.0)
+
+
+# ---------------------------------------------------------------- the project's rules give the reference's aggregate
+
+
+fedlabels = pytest.importorskip("fedlabels")
+
+
+def _random_states(k, seed, int_key=False):
+    g = np.random.default_rng(seed)
+    out = []
+    for _ in range(k):
+        s = {"conv.weight": g.normal(size=(3, 2, 2)).astype(np.float32),
+             "fc.weight": g.normal(size=(4, 5)).astype(np.float32), "fc.bias": g.normal(size=4).astype(np.float32)}
+        if int_key:
+            s["bn.num_batches_tracked"] = np.array(g.integers(0, 10), dtype=np.int64)
+        out.append(s)
+    return out
+
+
+def _torch(state):
+    return {k: torch.from_numpy(np.array(v)) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.5, 1.0, 1e4])
+def test_project_distance_weights_equal_the_reference(scale):
+    from fedlabels.methods.aggregate import average_keys, distance_weights
+    from fedlabels.methods.base import Update
+
+    states, n = _random_states(3, 1), [120, 40, 75]
+    updates = [Update(f"s{i}", s, ni) for i, (s, ni) in enumerate(zip(states, n))]
+    got = distance_weights(updates, states[0], scale)
+    want = ref.dynamic_weights([_torch(s) for s in states], n, scale, "paper")
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
+    agg = average_keys(updates, states[0], got)
+    ragg = ref.mean_state([_torch(s) for s in states], want)
+    for k in agg:
+        np.testing.assert_allclose(agg[k], ragg[k].numpy(), rtol=1e-6, atol=1e-7)
+
+
+def _engine_round(server, deltas, n, start):
+    """One round of a project server rule through the project's round engine, sites adding their delta."""
+    from fedlabels.engine import RoundEngine
+    from fedlabels.methods.base import Update
+
+    seen = {}
+
+    def send(step, targets, weights, rnd, extras):
+        out = []
+        for s in targets:
+            seen.setdefault(s, []).append({k: np.array(v) for k, v in weights.items()})
+            out.append(Update(s, {k: np.asarray(weights[k]) + deltas[s][k] for k in weights}, n[s]))
+        return out
+
+    server.setup({s: {"labeled": s.startswith("L")} for s in deltas})
+    new, _, _ = RoundEngine(server, send, key_metric=None).run_round(0, start, sorted(deltas))
+    return new, seen
+
+
+class TensorStub(Stub):
+    def __init__(self, name, labeled, n, delta):
+        super().__init__(name, labeled, n, delta)
+
+    def train(self, weights, method, gen):
+        self.seen.append({k: v.clone() for k, v in weights.items()})
+        return {k: weights[k] + _torch(self.delta)[k].to(weights[k].dtype) for k in weights}
+
+
+@pytest.mark.parametrize("method", ["isofed", "mt_wfedavg", "wfedavg"])
+@pytest.mark.parametrize("scales", [(1.0, 1e4), (0.3, 2.0)])
+def test_project_semisup_servers_equal_the_reference_round(method, scales):
+    from fedlabels.methods.semisup import IsoFedServer, WeightedFedAvgServer
+
+    sup, dist = scales
+    names = ["L1", "L2", "U1", "U2"] if method != "wfedavg" else ["L1", "L2", "L3"]
+    deltas = dict(zip(names, _random_states(len(names), 7)))
+    n = dict(zip(names, [50, 20, 35, 90][:len(names)]))
+    start = _random_states(1, 3)[0]
+    server = (IsoFedServer if method == "isofed" else WeightedFedAvgServer)(lambda_c=sup, lambda_unlabeled=dist)
+    got, seen = _engine_round(server, deltas, n, start)
+    sites = [TensorStub(s, s.startswith("L"), n[s], deltas[s]) for s in names]
+    want = ref.one_round(method, sites, _torch(start), {**ref.CHECK, "sup_scale": sup, "dist_scale": dist}, None)
+    for k in start:
+        np.testing.assert_allclose(got[k], want[k].numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+    for site in sites:  # each site received the same model on both sides
+        for a, b in zip(seen[site.name], site.seen):
+            for k in a:
+                np.testing.assert_allclose(a[k], b[k].numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_project_losses_equal_the_reference():
+    from fedlabels.losses import consistency_mse, information_maximization, sharpen
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 5, generator=g, dtype=torch.float64)
+    other = torch.softmax(torch.randn(16, 5, generator=g, dtype=torch.float64), 1)
+    p = torch.softmax(logits, 1)
+    for temp in (0.5, 0.25, 1.0):
+        torch.testing.assert_close(sharpen(p, temp), ref.sharpen(p, temp))
+    torch.testing.assert_close(information_maximization(logits), ref.im_loss(logits))
+    torch.testing.assert_close(consistency_mse(other, p), ref.consistency(other, p))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_project_surgical_server_equals_the_reference(weighted):
+    from fedlabels.methods.base import Update
+    from fedlabels.methods.surgical import SurgicalServer
+
+    states = _random_states(3, 11, int_key=True)
+    glob = _random_states(1, 12, int_key=True)[0]
+    # fc has 4 classes: 0 at every site, 1 at sites 0 and 2, 2 at site 1 only (Eq. 3), 3 at none
+    masks = [[True, True, False, False], [True, False, True, False], [True, True, False, False]]
+    n = [30, 10, 60]
+    updates = [Update(f"s{k}", s, n[k], {"labeled_mask": masks[k], "head_name": "fc"}) for k, s in enumerate(states)]
+    got = SurgicalServer(weighted=weighted).aggregate(updates, glob, 0)
+    want = ref_surgical.aggregate(states, masks, glob, "fc", weights=n if weighted else None)
+    assert list(got) == list(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
+        assert got[k].dtype == want[k].dtype
+
+
+def test_surgical_reference_by_hand():
+    states = [{"f": np.array([1.0]), "h.weight": np.array([[1.0, 1.0], [2.0, 2.0], [9.0, 9.0]]),
+               "h.bias": np.array([1.0, 2.0, 9.0])},
+              {"f": np.array([4.0]), "h.weight": np.array([[3.0, 3.0], [9.0, 9.0], [9.0, 9.0]]),
+               "h.bias": np.array([3.0, 9.0, 9.0])}]
+    glob = {"f": np.array([0.0]), "h.weight": np.full((3, 2), 7.0), "h.bias": np.full(3, 7.0)}
+    masks = [[True, True, False], [True, False, False]]
+    out = ref_surgical.aggregate(states, masks, glob, "h")
+    assert out["f"].tolist() == [2.5]                                        # Eq. 1: (1 + 4) / 2
+    assert out["h.weight"].tolist() == [[2.0, 2.0], [2.0, 2.0], [7.0, 7.0]]  # Eq. 2, Eq. 3, nobody: kept
+    assert out["h.bias"].tolist() == [2.0, 2.0, 7.0]
+    assert ref_surgical.aggregate(states, masks, glob, "h", weights=[3, 1])["f"].tolist() == [1.75]
