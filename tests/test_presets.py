@@ -89,7 +89,7 @@ def test_bench_protocol_errors_name_the_problem(tmp_path):
     bad.write_text(json.dumps({"federated": {"rounds": 0, "local_epochs": 1}}))
     with pytest.raises(ValueError, match=r"x.json: field 'federated.rounds'"):
         presets.load("x", bundle)
-    bad.write_text(json.dumps({"federated": {"rounds": 1, "local_epochs": 1, "client": {"momentum": 0.9}}}))
+    bad.write_text(json.dumps({"federated": {"rounds": 1, "local_epochs": 1, "client": {"nesterov": True}}}))
     with pytest.raises(ValueError, match=r"x.json: field 'federated.client': unknown key"):
         presets.load("x", bundle)
 
@@ -115,3 +115,71 @@ def test_rand_mirror_is_monai_rand_flip_without_metadata():
         ours = RandMirrord(["image"], prob=1.0, spatial_axis=axis)({"image": x.numpy()})["image"]
         assert np.array_equal(ours, np.asarray(theirs))
     assert torch.equal(RandMirrord(["image"], prob=0.0)({"image": x})["image"], x)
+
+
+def test_isofed_rscfed_preset_reaches_each_row_with_the_options_its_rules_take():
+    parser = cli.build_parser(flare=False)
+    base = ["bench", "--data", "d", "--methods", "isofed,rscfed,fedavg,oracle:wfedavg", "--protocol", "isofed_rscfed",
+            "--out", "unused"]
+    plan = bench.make_plan(parser.parse_args(base))
+    assert plan.rounds == 1000 and plan.local_epochs == 1
+    generic = {"optimizer": "sgd", "lr": 0.03, "momentum": 0.9, "weight_decay": 0.0005, "clip_grad_norm": 5.0,
+               "reset_optimizer": False}
+    iso = plan.options["isofed"]
+    assert iso["client"] == {**generic, "epochs": 1, "lr_unlabeled": 0.021, "consistency_weight": 0.02,
+                             "consistency_rampup": 0, "temperature": 0.5, "ema_alpha": 0.001}
+    # IsoFed's server has no subsets; RSCFed's has
+    assert iso["server"] == {"warmup_rounds": 7, "lambda_c": 100.0, "lambda_unlabeled": 10000.0,
+                             "labeled_multiplier": 6.0}
+    assert plan.options["rscfed"]["server"]["subsets"] == 3 and plan.options["rscfed"]["server"]["subset_size"] == 3
+    # supervised rows and the floor take the generic client settings only
+    assert plan.options["fedavg"] == {"client": {**generic, "epochs": 1}, "server": {}}
+    assert plan.options["oracle:wfedavg"]["server"]["warmup_rounds"] == 7  # all sites labeled: the plan is unchanged
+    assert plan.floor_client == generic
+    # the rules accept every option (a name no rule takes would fail here)
+    from fedlabels import methods
+
+    for row in ("isofed", "rscfed", "fedavg", "oracle:wfedavg"):
+        m = methods.get(bench.base_method(row))
+        m.client_options(**plan.options[row]["client"])
+        m.make_server(**plan.options[row]["server"])
+    # --opt still overrides a preset option
+    plan = bench.make_plan(parser.parse_args(base + ["--opt", "isofed:warmup_rounds=0", "--opt", "isofed:lr_unlabeled=0.01"]))
+    assert plan.options["isofed"]["server"]["warmup_rounds"] == 0 and plan.options["isofed"]["client"]["lr_unlabeled"] == 0.01
+
+
+def test_preset_options_are_checked_against_the_registered_rules(tmp_path):
+    bundle = tmp_path / "b"
+    (bundle / "configs" / "protocols").mkdir(parents=True)
+    (bundle / "configs" / "metadata.json").write_text("{}")
+    bad = bundle / "configs" / "protocols" / "x.json"
+    bad.write_text(json.dumps({"federated": {"rounds": 1, "local_epochs": 1, "options": {"lr_unlabled": 0.1}}}))
+    with pytest.raises(ValueError, match=r"x.json: field 'federated.options': \['lr_unlabled'\]"):
+        presets.load("x", bundle)
+    bad.write_text(json.dumps({"federated": {"rounds": 1, "local_epochs": 1, "options": {"lr": 0.1}}}))
+    with pytest.raises(ValueError, match=r"x.json: field 'federated.options': \['lr'\] belong in 'federated.client'"):
+        presets.load("x", bundle)
+
+
+def test_isofed_rscfed_augmentation_is_a_crop_of_the_image_enlarged_by_a_quarter_and_a_flip():
+    """RSCFed's released transform (resize to 40, RandomCrop 32, horizontal flip) at MedMNIST's 28 px:
+    every training view is a 28 px window of the image resized to 35 px, mirrored or not."""
+    from monai.transforms import Compose, Resized
+
+    parser = read("medmnist_cnn", "", protocol="isofed_rscfed", class_names=["a", "b"])
+    tf = Compose(parser.get_parsed_content("train#random_transforms", instantiate=True))
+    x = torch.rand(3, 28, 28, generator=torch.Generator().manual_seed(0))
+    big = torch.as_tensor(Resized(["image"], (35, 35), mode="bilinear", anti_aliasing=False)({"image": x})["image"])
+    windows = {}
+    for i in range(8):
+        for j in range(8):
+            w = big[:, i:i + 28, j:j + 28]
+            windows[(i, j, False)], windows[(i, j, True)] = w, torch.flip(w, dims=[1])  # axis 0: the width
+    seen = set()
+    for seed in range(40):
+        tf.set_random_state(seed)
+        out = torch.as_tensor(tf({"image": x.clone()})["image"])
+        match = [k for k, w in windows.items() if torch.allclose(out, w, atol=1e-5)]
+        assert match, f"seed {seed}: not a flipped or unflipped 28 px window of the 35 px image"
+        seen.add(match[0])
+    assert len({k[:2] for k in seen}) > 10 and {k[2] for k in seen} == {False, True}

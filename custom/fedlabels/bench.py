@@ -240,6 +240,15 @@ def make_plan(args) -> Plan:
     options = {n: {"client": {**client, "epochs": epochs}, "server": {}} for n in names}
     floor = dict(client)
     floor_rule = methods.get("fedavg_pl")
+    # the preset's method options reach the rows whose rules take them (a supervised row has no
+    # lr_unlabeled); --opt below still overrides them
+    for key, value in (preset.options if preset else {}).items():
+        for name in names:
+            rule = registered[name]
+            if key in rule.client_option_names() or key in rule.server_option_names():
+                _route(rule, key, value, options[name])
+        if key in floor_rule.client_option_names():
+            floor[key] = value
     parsed = parse_opts(args.opt)
     # all: first, so a method's own --opt wins.
     for target, key, value in sorted(parsed, key=lambda t: t[0] != ALL):

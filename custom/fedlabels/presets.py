@@ -6,9 +6,11 @@ bundle's ``configs/train.json`` the way MONAI merges config files (keys with
 "['configs/train.json','configs/protocols/isofed.json']"`` trains with it too.
 Besides the bundle keys (input size and intensity scaling, augmentations,
 network, batch size) it holds a ``federated`` section (rounds, local epochs,
-the client's optimizer and whether it is re-created every round) and a
-``sources`` section saying where each value comes from (the paper, its released
-code, or a stated choice); docs/methods.md lists them.
+the client's optimizer and whether it is re-created every round; ``options``:
+method options, each given to every row whose client or server rule takes an
+option of that name) and a ``sources`` section saying where each value comes
+from (the paper, its released code, or a stated choice); docs/methods.md lists
+them.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # preset -> the bundle that holds it (the paper's network)
-PRESETS = {"isofed": "medmnist_cnn", "fedmix": "lesion_unet", "surgical": "cxr_densenet121",
+PRESETS = {"isofed": "medmnist_cnn", "isofed_rscfed": "medmnist_cnn", "fedmix": "lesion_unet", "surgical": "cxr_densenet121",
            "fedpsl": "cxr_densenet121", "fedmlp": "cxr_resnet18", "cxr": "cxr_resnet18",
            "fedmlp_blood": "cxr_resnet18"}
 # what a preset's federated.client section may set (every ClientRule takes these)
-CLIENT_KEYS = ("optimizer", "lr", "weight_decay", "reset_optimizer")
+CLIENT_KEYS = ("optimizer", "lr", "weight_decay", "reset_optimizer", "momentum", "clip_grad_norm")
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Preset:
     client: dict = field(default_factory=dict)
     batch_size: int | None = None
     sources: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)  # method option -> value, for the rows whose rules take it
 
 
 def preset_file(bundle, name: str) -> Path:
@@ -69,6 +72,22 @@ def load(name: str, bundle=None) -> Preset:
     unknown = sorted(set(client) - set(CLIENT_KEYS))
     if unknown:
         raise ValueError(f"{path}: field 'federated.client': unknown key(s) {unknown}; allowed: {list(CLIENT_KEYS)}")
+    options = fed.get("options", {})
+    if not isinstance(options, dict):
+        raise ValueError(f"{path}: field 'federated.options': expected an object of method options")
+    if options:
+        from . import methods
+
+        known = set()
+        for m in methods.names():
+            rule = methods.get(m)
+            known |= rule.client_option_names() | rule.server_option_names()
+        unknown = sorted(set(options) - known)
+        if unknown:  # a typo would otherwise reach no row and change nothing
+            raise ValueError(f"{path}: field 'federated.options': {unknown} is no registered method's option")
+        clash = sorted(set(options) & set(CLIENT_KEYS))
+        if clash:
+            raise ValueError(f"{path}: field 'federated.options': {clash} belong in 'federated.client'")
     batch = data.get("batch_size")
     return Preset(name, bundle, path, fed["rounds"], fed["local_epochs"], dict(client),
-                  batch if isinstance(batch, int) else None, dict(data.get("sources", {})))
+                  batch if isinstance(batch, int) else None, dict(data.get("sources", {})), dict(options))
