@@ -211,8 +211,9 @@ class AdaptiveAggServer(ServerRule):
     """FedMix's adaptive aggregation (``adaptive_weights``) of every key, F1's and F2's alike.
 
     n_i is the cases the site kept (``Update.n``), L_i its mean training Dice loss
-    (``metrics["train_loss"]``). ``lam`` (10) and ``beta`` (1.5: the paper's breast setting; 2.5-3
-    for skin and RETOUCH) as in the paper; lam = 0 is FedAvg's count weighting.
+    (``metrics["train_loss"]``). ``lam`` (10) and ``beta`` (1.5: the paper's breast setting; the paper prints 2.5
+    for skin lesions and 3 for RETOUCH, the released skin notebook uses 3); lam = 0 is FedAvg's
+    count weighting.
     """
 
     def __init__(self, lam=10.0, beta=1.5):
