@@ -1,20 +1,32 @@
-"""The project's training path against an independent plain-PyTorch loop of the same protocol.
+"""The project's rows against independent plain-PyTorch references, with an equivalence criterion.
+
+Methods (IsoFed's table; ``--rows``)::
+
+    python benchmarks/reference_check.py --protocol isofed --rows oracle:wfedavg,isofed,mt_wfedavg \
+        --data 'DIR-s{seed}' --seeds 0,1,2 --rounds 20 --eval-rounds 5,10,20 --label pneumoniamnist-g0.8-1L3U
+
+Per split s (one prepared split each; ``{seed}`` in ``--data``) and row, the project's row runs twice
+(``fedlabels bench``'s in-process round engine, training seeds s and s + ``SEED_OFFSET``) and
+``benchmarks/reference/semisup.py`` once, both with the reference's settings (``semisup.CHECK``: RSCFed's
+released values where the project can express them; ``project_settings`` turns them into the row's options
+and stops on any it cannot).
+
+FedAvg (the training path; no ``--rows``)::
 
     python benchmarks/reference_check.py --protocol isofed --data 'DIR-s{seed}' --seeds 0,1,2 --rounds 20 \
-        --eval-rounds 5,10,20 --label pneumoniamnist-g0.8 --out benchmarks/results/reference_check
+        --eval-rounds 5,10,20 --label pneumoniamnist-g0.8
 
-Per seed (one prepared split each; ``{seed}`` in ``--data``) it runs the
-project's ``oracle:fedavg`` row (``fedlabels bench``'s in-process round engine
-with the preset, every site fully labeled) and ``benchmarks/reference/``'s
-loop of the same protocol on the same split, and prints the test metric of
-both at every eval round and both times per round. Cells are resumable
-(``OUT/cells/LABEL-seedS.json``, written atomically); ``OUT/../reference_check.md``
-is rewritten from every finished cell: mean ± sd over seeds, the difference,
-and whether it is within ``TOLERANCE`` (2 points of accuracy, 0.02 Dice).
+Per split it runs the project's ``oracle:fedavg`` row with the preset and ``benchmarks/reference/``'s FedAvg
+loop of the same protocol with the preset's settings (this checks the training path, not the preset).
 
-``--reference-scaling minmax`` runs the reference with each image scaled to
-[0, 1] by its own min and max instead of the preset's scaling, which shows
-what that scaling alone does to the same loop.
+Both criteria of the check (``criterion_a``, ``criterion_b``, comment above them): (a) the 90 % t interval
+of the mean paired project-minus-reference difference inside ±2 points (two one-sided tests), (b) the widest
+per-split difference no wider than the widest difference between the project's two training seeds. Cells are
+resumable (``OUT/cells/*.json``, written atomically); ``OUT/../reference_check.md`` is rewritten from every
+finished cell (``--table-only``: only that).
+
+``--reference-scaling minmax`` runs the FedAvg reference with each image scaled to [0, 1] by its own min and
+max instead of the preset's scaling, which shows what that scaling alone does to the same loop.
 """
 
 from __future__ import annotations
@@ -104,13 +116,17 @@ def reference_settings(protocol: str) -> dict:
 
 def project_cell(protocol: str, data: Path, seed: int, rounds: int, eval_rounds: list, work: Path,
                  config: dict | None = None, image_size: int | None = None, widen: float | None = None,
-                 log=print) -> dict:
-    """``fedlabels bench``'s ``oracle:fedavg`` cell (in process) with the preset: test metrics per eval round."""
+                 log=print, method: str = "oracle:fedavg", opts: list | None = None, batch_size: int | None = None,
+                 local_epochs: int | None = None) -> dict:
+    """``fedlabels bench``'s cell of one row (default ``oracle:fedavg``; in process) with the preset and any
+    ``--opt METHOD:key=value`` items ``opts``: test metrics per eval round. ``seed`` is the training seed
+    (initialisation, sampling, augmentation); ``data`` is the one prepared split it trains on."""
     from fedlabels import bench
 
-    args = SimpleNamespace(data=str(data), bundle=None, methods="oracle:fedavg", seeds=str(seed), rounds=rounds,
-                           local_epochs=None, opt=None, eval_rounds=",".join(map(str, eval_rounds)),
-                           engine="inprocess", synth=None, batch_size=None, image_size=image_size,
+    args = SimpleNamespace(data=str(data), bundle=None, methods=method, seeds=str(seed), rounds=rounds,
+                           local_epochs=local_epochs, opt=list(opts or []) or None,
+                           eval_rounds=",".join(map(str, eval_rounds)),
+                           engine="inprocess", synth=None, batch_size=batch_size, image_size=image_size,
                            network=[f"widen_factor={widen}"] if widen else None,
                            out=str(work), protocol=protocol)
     plan = bench.make_plan(args)
@@ -132,7 +148,7 @@ def project_cell(protocol: str, data: Path, seed: int, rounds: int, eval_rounds:
 
     site.validate_task = timed
     try:
-        out = bench.run_federated_inprocess(plan, bench.Cell("oracle:fedavg", seed), scorer, lambda m: None)
+        out = bench.run_federated_inprocess(plan, bench.Cell(method, seed), scorer, lambda m: None)
     finally:
         site.validate_task = validate
     metrics = {}
@@ -145,7 +161,7 @@ def project_cell(protocol: str, data: Path, seed: int, rounds: int, eval_rounds:
         elif r["metric"] == "recall" and r["class"] != bench.MEAN:  # a class predicted for no case has recall 0
             m["classes_predicted"] = m.get("classes_predicted", 0) + int(bool(r["value"]))
     for r, m in metrics.items():
-        log(f"[project] seed {seed} round {r}: {m}")
+        log(f"[project] {method} seed {seed} round {r}: {m}")
     seconds = [rec["seconds"] for rec in out["records"]]
     return {"metrics": metrics, "seconds_per_round": float(np.mean(seconds)), "seconds": seconds,
             "validation_seconds_per_round": validating[0] / rounds}
@@ -187,6 +203,146 @@ def problems(result: dict, tolerance: float) -> list:
     return out
 
 
+# ---------------------------------------------------------------- the equivalence criterion
+#
+# Per split i (one prepared split, the same on both sides), at a scored round:
+#   P_i^A, P_i^B  the project's metric with two training seeds (initialisation, sampling, augmentation),
+#   R_i           the reference's metric on the same split,
+#   d_i = (P_i^A + P_i^B) / 2 - R_i   the paired project-minus-reference difference,
+#   s_i = P_i^A - P_i^B               the project's own seed-to-seed difference.
+# (a) the 90 % interval of mean(d) (t over the splits, n - 1 degrees of freedom) lies inside (-MARGIN, +MARGIN):
+#     the two one-sided tests at 5 % each;
+# (b) max_i |d_i| <= max_i |s_i|: no split differs from the reference by more than the project differs from itself
+#     between two training seeds on some split.
+# Equivalence is shown only when both pass; a mean inside the margin alone is not a pass.
+
+MARGIN = 0.02
+LEVEL = 0.90
+
+
+def mean_interval(diffs, level: float = LEVEL) -> tuple:
+    """(mean, low, high): the two-sided ``level`` t interval of the mean of ``diffs`` (None, None without 2)."""
+    from scipy import stats
+
+    d = np.asarray(diffs, dtype=np.float64)
+    mean = float(d.mean())
+    if len(d) < 2:
+        return mean, None, None
+    half = float(stats.t.ppf((1 + level) / 2, len(d) - 1)) * float(d.std(ddof=1)) / math.sqrt(len(d))
+    return mean, mean - half, mean + half
+
+
+def criterion_a(diffs, margin: float = MARGIN, level: float = LEVEL) -> dict:
+    """Two one-sided tests: the ``level`` interval of the mean paired difference inside (-margin, margin)."""
+    mean, low, high = mean_interval(diffs, level)
+    passed = low is not None and -margin < low and high < margin
+    return {"n": len(diffs), "mean": mean, "low": low, "high": high, "pass": bool(passed)}
+
+
+def criterion_b(diffs, seed_diffs) -> dict:
+    """max |d_i| over the splits against max |s_i| (the project's seed-to-seed differences); None if unmeasured."""
+    widest = float(np.max(np.abs(diffs)))
+    if not seed_diffs:
+        return {"max_diff": widest, "max_seed": None, "pass": None}
+    seed = float(np.max(np.abs(seed_diffs)))
+    return {"max_diff": widest, "max_seed": seed, "pass": bool(widest <= seed)}
+
+
+def per_split(cells: list, rnd, metric: str) -> tuple:
+    """(d_i, s_i) at round ``rnd`` over the cells (one a split); s is empty where a cell has one project run."""
+    d, s = [], []
+    for c in cells:
+        runs = [r["metrics"][str(rnd)][metric] for r in _project_runs(c)]
+        ref = c["reference_run"]["metrics"][str(rnd)][metric]
+        d.append(float(np.mean(runs)) - ref)
+        if len(runs) == 2:
+            s.append(runs[0] - runs[1])
+    return d, (s if len(s) == len(cells) else [])
+
+
+def _project_runs(cell: dict) -> list:
+    """The project's runs of a cell: ``project`` (one run, older cells) or ``projects`` (one per training seed)."""
+    if "projects" in cell:
+        return cell["projects"]
+    return [{**cell["project"], "metrics": {str(k): v for k, v in cell["project"]["metrics"].items()}}]
+
+
+def verdict(a: dict, b: dict) -> str:
+    if a["pass"] and b["pass"]:
+        return "equivalent"
+    if b["pass"] is None:
+        return "not shown (b unmeasured)" if a["pass"] else "not shown"
+    return "not shown"
+
+
+# ---------------------------------------------------------------- the methods (IsoFed's table)
+
+# a project row -> (the reference's method, every site from its full labels)
+METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False), "isofed_nopt": ("isofed_nopt", False),
+               "mt_wfedavg": ("mt_wfedavg", False)}
+SEED_OFFSET = 1000  # the project's second training seed on split s is s + SEED_OFFSET
+# The project's strong view is its weak view further transformed (fedlabels.site.TwoViews); a second random
+# left-right flip of the flipped view is, in distribution, a second independent flip: RSCFed's second weak view.
+STRONG_AS_SECOND_FLIP = [{"_target_": "fedlabels.bundle.data.RandMirrord", "keys": ["image"], "prob": 0.5,
+                          "spatial_axis": 0},
+                         {"_target_": "EnsureTyped", "keys": ["image"], "track_meta": False}]
+
+
+def project_settings(protocol: str, row: str, s: dict) -> dict:
+    """What the project's row must be given to train with the reference's settings ``s`` (semisup.CHECK):
+    ``--opt`` items, the batch size, local epochs and bundle overrides. A setting the project cannot express
+    stops here, naming it; so does a preset whose scaling or weak augmentation is not the reference's."""
+    if row not in METHOD_ROWS:
+        raise ValueError(f"row {row!r}: the method references cover {sorted(METHOD_ROWS)}")
+    if s["optimizer"] == "sgd" and s["momentum"] != 0.9:
+        raise ValueError(f"momentum {s['momentum']}: the project's SGD has momentum 0.9 only")
+    if s["max_grad_norm"]:
+        raise ValueError("max_grad_norm: the project's client does not clip gradients")
+    if s["distance"] != "paper":
+        raise ValueError(f"distance {s['distance']!r}: the project implements the paper's (the flattened model)")
+    bundle = reference_settings(protocol)  # the preset's scaling and weak augmentation, as the reference names them
+    for key in ("scaling", "augment"):
+        if bundle[key] != s[key]:
+            raise ValueError(f"the {protocol} preset's {key} is {bundle[key]!r}, the reference's {s[key]!r}")
+    if s["strong"] != "hflip":
+        raise ValueError(f"strong view {s['strong']!r}: the check has the project's equivalent of 'hflip' only")
+    client = {"optimizer": s["optimizer"], "lr": s["lr"], "weight_decay": s["weight_decay"],
+              "reset_optimizer": not s["carry_optimizer"]}
+    if row != "oracle:wfedavg":
+        client |= {"consistency_weight": s["lambda_u"], "temperature": s["temperature"], "ema_alpha": s["ema_alpha"]}
+    if row == "isofed":
+        client |= {"pretrain": True, "pretrain_epochs": s["pretrain_epochs"], "pretrain_target": "both",
+                   "pretrain_sites": "unlabeled"}
+    server = {"lambda_c": s["sup_scale"], "lambda_unlabeled": s["dist_scale"], "labeled_multiplier": 1.0,
+              "warmup_rounds": 0}
+    opts = [f"{row}:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
+    return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"],
+            "config": {"train#strong_random_transforms": STRONG_AS_SECOND_FLIP} if row != "oracle:wfedavg" else {}}
+
+
+def compare_methods(protocol: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
+                    log=print, settings: dict | None = None) -> dict:
+    """One split, one row: the project twice (training seeds ``split`` and ``split + SEED_OFFSET``) and the
+    method reference once (seed ``split``), one after the other in this process."""
+    from reference import semisup
+
+    s = {**semisup.CHECK, **(settings or {})}
+    proj = project_settings(protocol, row, s)
+    runs = []
+    for seed in (split, split + SEED_OFFSET):
+        run = project_cell(protocol, data, seed, rounds, eval_rounds, work / f"seed{seed}", config=proj["config"],
+                           log=log, method=row, opts=proj["opts"], batch_size=proj["batch_size"],
+                           local_epochs=proj["local_epochs"])
+        run["metrics"] = {str(k): v for k, v in run["metrics"].items()}
+        runs.append({**run, "train_seed": seed})
+    method, oracle = METHOD_ROWS[row]
+    ref = semisup.run(data, method, rounds, set(eval_rounds), seed=split, oracle=oracle, log=log, **(settings or {}))
+    ref["metrics"] = {str(k): v for k, v in ref["metrics"].items()}
+    return {"kind": "methods", "protocol": protocol, "row": row, "metric": REFERENCES[protocol][1],
+            "data": str(data), "seed": split, "rounds": rounds, "reference": s, "project_options": proj,
+            "projects": runs, "reference_run": ref}
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
@@ -209,64 +365,187 @@ def _steady(side: dict) -> float:
     return float(np.mean(seconds[1:])) if len(seconds) > 1 else side["seconds_per_round"]
 
 
+def _pts(x, sign=False):
+    return "—" if x is None else (f"{100 * x:+.1f}" if sign else f"{100 * x:.1f}")
+
+
+def _yes(flag) -> str:
+    return "not measured" if flag is None else "pass" if flag else "FAIL"
+
+
+def _criteria_cells(cs: list, rnd, metric: str, margin: float) -> tuple:
+    """The criteria columns of one round: (cells text, verdict, a, b)."""
+    d, s = per_split(cs, rnd, metric)
+    a, b = criterion_a(d, margin), criterion_b(d, s)
+    interval = "—" if a["low"] is None else f"{_pts(a['low'], True)} to {_pts(a['high'], True)}"
+    spread = f" ± {100 * float(np.std(d, ddof=1)):.1f}" if len(d) > 1 else ""
+    text = (f"{_pts(a['mean'], True)}{spread} | {interval} | {_yes(a['pass'])} | {_pts(b['max_diff'])} "
+            f"| {_pts(b['max_seed'])} | {_yes(b['pass'])} | {verdict(a, b)}")
+    return text, a, b
+
+
+CRITERIA_HEAD = ("difference d, mean ± sd | 90 % interval of mean d | (a) inside ±{m} | max abs d "
+                 "| max abs seed-to-seed | (b) | equivalence")
+
+# Published protocols (docs/results/*.md, benchmarks/plans/) and what this check covers of them.
+COVERAGE = [
+    ("`isofed` preset, PneumoniaMNIST / BloodMNIST, every L:U and gamma (`isofed-preset`, `isofed-pretraining`)",
+     "`oracle:fedavg` on PneumoniaMNIST gamma 0.8 and BloodMNIST gamma 0.5 with the preset (one training seed: "
+     "criterion (b) unmeasured). The `isofed`, `mt_wfedavg` and `oracle:wfedavg` rows against the method references "
+     "only on PneumoniaMNIST gamma 0.8, 1 labeled : 3 unlabeled, with the reference's settings (RSCFed's released "
+     "values where the project can express them), not with the preset's Adam 1e-3; `rscfed`, `isofed_nopt`, "
+     "BloodMNIST and the other L:U unchecked"),
+    ("`partial_label_study` (embedded chest X-rays; BloodMNIST with per-image min-max scaling)", "unchecked"),
+    ("`bench_cxr` at 64 px", "unchecked (the `cxr` check runs 32 px)"),
+    ("`fedmlp`, `fedmlp-preset`, `fedmlp-scale`, `fedmlp-cxr` (FedMLP, FedPSL, Surgical and the other multi-label rows)",
+     "the upper bound's training path only (`oracle:fedavg`, `fedmlp_blood` and `cxr` presets, one training seed); "
+     "no method row: Surgical Aggregation's server rule is checked against its reference in "
+     "`tests/test_reference_methods.py` on hand-made inputs, not in training"),
+    ("`fedmix-ph2`, `fedmix-lesion` (FedMix, FedST, FedAvg)",
+     "the upper bound's training path on PH2 at 32 px only (`oracle:fedavg`, one training seed); no method row"),
+    ("`isofed`, `isofed-100`, `fedmlp` (bundle defaults, the old per-image min-max scaling)",
+     "kept for the record; unchecked (the `minmax` sections are diagnostics)"),
+]
+
+
+def _fedavg_section(label, scaling, cs, tolerance) -> list:
+    metric = cs[0].get("metric", "accuracy")
+    tol = tolerance[metric]
+    rounds = sorted({int(r) for c in cs for r in c["project"]["metrics"]})
+    seeds = [c["seed"] for c in cs]
+    proj_s = [_steady(c["project"]) for c in cs]
+    val_s = [c["project"].get("validation_seconds_per_round") for c in cs]
+    ref_s = [_steady(c["reference_run"]) for c in cs]
+    timing = (f"Seconds per round (after the first, mean over splits): project {np.mean(proj_s):.2f}, reference "
+              f"{np.mean(ref_s):.2f} (project / reference {np.mean(proj_s) / np.mean(ref_s):.2f}x)")
+    if None not in val_s:
+        train_s = [p - v for p, v in zip(proj_s, val_s)]
+        timing += (f"; of the project's, {np.mean(val_s):.2f} s score the received model on the sites' "
+                   f"validation data, and training alone is {np.mean(train_s) / np.mean(ref_s):.2f}x the reference")
+    diagnostic = scaling != reference_settings(cs[0]["protocol"]).get("scaling", scaling)
+    note = (" This section is a diagnostic, not a check: the reference scales each image by its own min and "
+            "max while the project keeps the preset's scaling, so the difference is what the scaling alone "
+            "does to the same loop.") if diagnostic else ""
+    lines = [f"## {label} (protocol `{cs[0]['protocol']}`, reference scaling `{scaling}`, seeds {seeds})", "",
+             timing + ". Load average (1 min) at each cell's start and end: "
+             + ", ".join(f"{c['load'][0]:.1f}-{c['load'][1]:.1f}" if c.get("load") else "not recorded" for c in cs)
+             + f", on {os.cpu_count()} cores (both sides of a cell ran one after the other, under the same load)."
+             + note, ""]
+    if not diagnostic:
+        lines += ["The project ran one training seed per split here, so its seed-to-seed spread and criterion (b) "
+                  "are not measured: equivalence is not shown whatever (a) says.", ""]
+    lines += [f"| round | project {metric} | reference {metric} | " + CRITERIA_HEAD.format(m=f"{100 * tol:.0f}")
+              + (" | project AUROC | reference AUROC | classes (project / reference) |" if metric == "accuracy" else " |"),
+              "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if metric == "accuracy" else "")]
+    for r in rounds:
+        p = [c["project"]["metrics"].get(str(r), {}) for c in cs]
+        q = [c["reference_run"]["metrics"].get(str(r), {}) for c in cs]
+        if diagnostic:
+            d = [x.get(metric) - y.get(metric) for x, y in zip(p, q)]
+            crit = f"{_pts(float(np.mean(d)), True)} ± {100 * float(np.std(d, ddof=1)):.1f} | n/a | n/a | n/a | n/a | n/a | n/a"
+        else:
+            crit = _criteria_cells(cs, r, metric, tol)[0]
+        row = f"| {r} | {_fmt([x.get(metric) for x in p])} | {_fmt([x.get(metric) for x in q])} | {crit} |"
+        if metric == "accuracy":
+            row += (f" {_fmt([x.get('auroc') for x in p])} | {_fmt([x.get('auroc') for x in q])} "
+                    f"| {','.join(str(x.get('classes_predicted')) for x in p)} / "
+                    f"{','.join(str(x.get('classes_predicted')) for x in q)} |")
+        lines.append(row)
+    return lines + [""]
+
+
+def _settings_text(s: dict) -> str:
+    from reference import semisup
+
+    used = ", ".join(f"{k} {s[k]}" for k in ("optimizer", "lr", "momentum", "weight_decay", "batch_size", "epochs",
+                                               "lambda_u", "temperature", "ema_alpha", "sup_scale", "dist_scale",
+                                               "carry_optimizer", "max_grad_norm", "augment", "strong", "scaling",
+                                               "distance", "pretrain_epochs"))
+    left = "; ".join(f"{k}: {v}" for k, v in semisup.LEFT_OUT.items())
+    return (f"Both sides train with the reference's settings (`benchmarks/reference/semisup.py` `CHECK`, taken from "
+            f"RSCFed's released code, whose values and sources are its `RSCFED`): {used}. The project's row is given "
+            f"them as options (`project_options` in each cell). RSCFed's values not used here, and what runs "
+            f"instead: {left}.")
+
+
+def _methods_section(label, protocol, cs_all, tolerance) -> list:
+    metric = cs_all[0]["metric"]
+    tol = tolerance[metric]
+    splits = sorted({c["seed"] for c in cs_all})
+    rows = [r for r in METHOD_ROWS if any(c["row"] == r for c in cs_all)]
+    lines = [f"## {label}: the methods against their references (protocol `{protocol}`, splits {splits})", "",
+             _settings_text(cs_all[0]["reference"]), "",
+             f"Per split the project ran twice (training seeds s and s + {SEED_OFFSET}, columns A and B) and the "
+             "reference once (seed s). d = mean(A, B) - reference per split; seed-to-seed = A - B per split. "
+             f"(a): the 90 % t interval of the mean of d inside ±{100 * tol:.0f} points; (b): max abs d <= max abs "
+             "seed-to-seed. Metric: the last model's test metric, mean ± sd over splits; `classes` = classes "
+             "predicted for at least one test case, per split (A / B / reference).", ""]
+    for m in (metric, "auroc") if metric != "auroc" else (metric,):
+        lines += [f"| row | round | project A {m} | project B {m} | reference {m} | "
+                  + CRITERIA_HEAD.format(m=f"{100 * tol:.0f}") + (" | classes |" if m == metric else " |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if m == metric else "")]
+        for row in rows:
+            cs = sorted((c for c in cs_all if c["row"] == row), key=lambda c: c["seed"])
+            rounds = sorted({int(r) for c in cs for r in c["reference_run"]["metrics"]})
+            for r in rounds:
+                a = [c["projects"][0]["metrics"][str(r)] for c in cs]
+                b = [c["projects"][1]["metrics"][str(r)] for c in cs]
+                q = [c["reference_run"]["metrics"][str(r)] for c in cs]
+                crit = _criteria_cells(cs, r, m, tol)[0]
+                line = (f"| `{row}` | {r} | {_fmt([x[m] for x in a])} | {_fmt([x[m] for x in b])} "
+                        f"| {_fmt([x[m] for x in q])} | {crit} |")
+                if m == metric:
+                    line += (" " + " / ".join(",".join(str(x.get("classes_predicted")) for x in side)
+                                             for side in (a, b, q)) + " |")
+                lines.append(line)
+        lines.append("")
+    secs = [(row, np.mean([_steady(p) for c in cs_all if c["row"] == row for p in c["projects"]]),
+             np.mean([_steady(c["reference_run"]) for c in cs_all if c["row"] == row])) for row in rows]
+    lines += ["Seconds per round (after the first, mean over runs), project / reference: "
+              + ", ".join(f"`{r}` {p:.2f} / {q:.2f}" for r, p, q in secs)
+              + ". Load average (1 min) at each cell's start and end: "
+              + ", ".join(f"{c['load'][0]:.1f}-{c['load'][1]:.1f}" for c in cs_all if c.get("load"))
+              + f", on {os.cpu_count()} cores.", ""]
+    return lines
+
+
 def table(out: Path, tolerance: dict = TOLERANCE) -> str:
     cells = [json.loads(p.read_text()) for p in sorted((out / "cells").glob("*.json"))]
-    groups = {}
+    fedavg = {}
+    methods = {}
     for c in cells:
-        groups.setdefault((c["label"], c["reference"].get("scaling", "minmax")), []).append(c)
-    lines = ["# The project's training path against an independent plain-PyTorch reference", "",
-             "Written by `benchmarks/reference_check.py` from `benchmarks/results/reference_check/cells/`. "
-             "Both sides train FedAvg with every site fully labeled on the same prepared split (one split per "
-             "seed), with the preset's settings; the project side is `fedlabels bench`'s `oracle:fedavg` row "
-             "(the in-process round engine, the MONAI bundle's transforms), the reference side is "
-             "`benchmarks/reference/` (plain PyTorch, Pillow, no MONAI or fedlabels code). Metric: the last "
-             "model's test metric, mean ± sd over splits; `difference` = project - reference per split, mean ± sd "
-             "(paired: both sides train on the same split); `classes` = classes predicted for at least one test "
-             "case, per split. Seconds per round: the project's includes scoring the received model on each "
-             "site's validation data (best-model selection); the reference trains only.", ""]
-    for (label, scaling), cs in sorted(groups.items()):
-        metric = cs[0].get("metric", "accuracy")
-        tol = tolerance[metric]
-        rounds = sorted({int(r) for c in cs for r in c["project"]["metrics"]})
-        seeds = [c["seed"] for c in cs]
-        proj_s = [_steady(c["project"]) for c in cs]
-        val_s = [c["project"].get("validation_seconds_per_round") for c in cs]
-        ref_s = [_steady(c["reference_run"]) for c in cs]
-        timing = (f"Seconds per round (after the first, mean over splits): project {np.mean(proj_s):.2f}, reference "
-                  f"{np.mean(ref_s):.2f} (project / reference {np.mean(proj_s) / np.mean(ref_s):.2f}x)")
-        if None not in val_s:
-            train_s = [p - v for p, v in zip(proj_s, val_s)]
-            timing += (f"; of the project's, {np.mean(val_s):.2f} s score the received model on the sites' "
-                       f"validation data, and training alone is {np.mean(train_s) / np.mean(ref_s):.2f}x the reference")
-        diagnostic = scaling != reference_settings(cs[0]["protocol"]).get("scaling", scaling)
-        note = (" This section is a diagnostic, not a check: the reference scales each image by its own min and "
-                "max while the project keeps the preset's scaling, so the difference is what the scaling alone "
-                "does to the same loop.") if diagnostic else ""
-        lines += [f"## {label} (protocol `{cs[0]['protocol']}`, reference scaling `{scaling}`, seeds {seeds})", "",
-                  timing + ". Load average (1 min) at each cell's start and end: "
-                  + ", ".join(f"{c['load'][0]:.1f}-{c['load'][1]:.1f}" if c.get("load") else "not recorded" for c in cs)
-                  + f", on {os.cpu_count()} cores (both sides of a cell ran one after the other, under the same load)."
-                  + note,
-                  "",
-                  f"| round | project {metric} | reference {metric} | difference | within {100 * tol:.0f} points |"
-                  + (" project AUROC | reference AUROC | classes (project / reference) |" if metric == "accuracy" else ""),
-                  "|---|---|---|---|---|" + ("---|---|---|" if metric == "accuracy" else "")]
-        for r in rounds:
-            p = [c["project"]["metrics"].get(str(r), {}) for c in cs]
-            q = [c["reference_run"]["metrics"].get(str(r), {}) for c in cs]
-            pm, qm = [x.get(metric) for x in p], [x.get(metric) for x in q]
-            diffs = [a - b for a, b in zip(pm, qm)]  # paired: the same split on both sides
-            diff = float(np.mean(diffs))
-            spread = f" ± {100 * float(np.std(diffs, ddof=1)):.1f}" if len(diffs) > 1 else ""
-            row = (f"| {r} | {_fmt(pm)} | {_fmt(qm)} | {100 * diff:+.1f}{spread} "
-                   f"| {'n/a' if diagnostic else 'yes' if abs(diff) <= tol + 1e-12 else 'NO'} |")
-            if metric == "accuracy":
-                row += (f" {_fmt([x.get('auroc') for x in p])} | {_fmt([x.get('auroc') for x in q])} "
-                        f"| {','.join(str(x.get('classes_predicted')) for x in p)} / "
-                        f"{','.join(str(x.get('classes_predicted')) for x in q)} |")
-            lines.append(row)
-        lines.append("")
-    return "\n".join(lines)
+        if c.get("kind") == "methods":
+            methods.setdefault((c["label"], c["protocol"]), []).append(c)
+        else:
+            fedavg.setdefault((c["label"], c["reference"].get("scaling", "minmax")), []).append(c)
+    lines = ["# The project against independent plain-PyTorch references", "",
+             "Written by `benchmarks/reference_check.py` from `benchmarks/results/reference_check/cells/`. Two kinds "
+             "of section. The methods sections run the project's method rows (`fedlabels bench`'s in-process round "
+             "engine) beside `benchmarks/reference/semisup.py`, IsoFed, MT+wFedAvg and dynamically weighted FedAvg "
+             "written from the papers with RSCFed's released settings. The FedAvg sections run the project's "
+             "`oracle:fedavg` row beside `benchmarks/reference/fedavg_*.py` with the preset's settings: they check "
+             "the training path, not the preset's provenance. References use plain PyTorch, NumPy and Pillow, no "
+             "MONAI or fedlabels code, and read the prepared split themselves; both sides train on the same split.",
+             "",
+             "**The equivalence criterion.** Per split i, P_i = the project's metric (the mean of its two "
+             "training seeds where it ran twice), R_i = the reference's; d_i = P_i - R_i; s_i = the project's "
+             "seed-to-seed difference (seed A - seed B) on split i. (a) The 90 % interval of the mean of d (t "
+             "distribution over the splits, n - 1 degrees of freedom) lies inside ±2 points: the two one-sided "
+             "tests at 5 % each. (b) max_i |d_i| <= max_i |s_i|: no split sits further from the reference than "
+             "the project sits from itself between two training seeds on some split. Equivalence is shown only "
+             "where both pass; a mean inside 2 points alone is not a pass. With 3 splits the interval's half-width "
+             "is 2.92 sd / sqrt(3) = 1.69 sd of d, so (a) needs a per-split sd of d well under 1.2 points; (b) "
+             "compares two maxima of 3 values each and can go either way by chance when both sides are the same "
+             "method.", ""]
+    for (label, protocol), cs in sorted(methods.items()):
+        lines += _methods_section(label, protocol, cs, tolerance)
+    for (label, scaling), cs in sorted(fedavg.items()):
+        lines += _fedavg_section(label, scaling, cs, tolerance)
+    lines += ["## What the check does not cover", "",
+              "Published protocols (`benchmarks/plans/`, `docs/results/`) and what the sections above check of them:",
+              "", "| protocol | checked |", "|---|---|"]
+    lines += [f"| {p} | {what} |" for p, what in COVERAGE]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> None:
@@ -285,8 +564,19 @@ def main(argv=None) -> None:
     ap.add_argument("--per-case-augmentation", action="store_true",
                     help="the project side augments each case in the loader (the chest X-ray bundles' RandAffined and "
                          "RandAdjustContrastd) instead of the preset's per-batch augmentation: what the batching saves")
+    ap.add_argument("--rows", help="comma-separated project rows checked against the method references "
+                                   f"(benchmarks/reference/semisup.py): {', '.join(METHOD_ROWS)}; each split runs the "
+                                   f"project with training seeds s and s + {SEED_OFFSET} and the reference once, "
+                                   "with the reference's settings (semisup.CHECK)")
+    ap.add_argument("--table-only", action="store_true", help="rewrite reference_check.md from the finished cells")
     ap.add_argument("--out", default="benchmarks/results/reference_check")
     args = ap.parse_args(argv)
+    if args.table_only:
+        out = Path(args.out)
+        _write_atomic(out.parent / "reference_check.md", table(out))
+        return
+    if args.rows:
+        return main_methods(args)
     config = None
     if args.per_case_augmentation:
         if REFERENCES[args.protocol][0] != "multilabel":
@@ -320,6 +610,51 @@ def main(argv=None) -> None:
         print(f"[check] {cell.name}: {time.time() - t0:.0f}s", flush=True)
     _write_atomic(out.parent / "reference_check.md", table(out))
     print(f"[check] wrote {out.parent / 'reference_check.md'}", flush=True)
+
+
+def main_methods(args) -> None:
+    """``--rows``: one cell per (row, split), resumable, one after the other."""
+    if REFERENCES[args.protocol][0] != "classification":
+        raise SystemExit(f"--rows: the method references are of the classification protocols, not {args.protocol}")
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in METHOD_ROWS]
+    if unknown:
+        raise SystemExit(f"--rows {unknown}: the method references cover {sorted(METHOD_ROWS)}")
+    out = Path(args.out)
+    (out / "cells").mkdir(parents=True, exist_ok=True)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    eval_rounds = sorted({int(r) for r in (args.eval_rounds or "").split(",") if r} | {args.rounds})
+    for seed in seeds:
+        data = Path(args.data.replace("{seed}", str(seed)))
+        if not (data / "scenario.yaml").is_file():
+            raise SystemExit(f"reference_check: {data}: no scenario.yaml (prepare the split first: fedlabels prepare ...)")
+    for seed in seeds:
+        for row in rows:
+            cell = out / "cells" / f"{args.label}-{row.replace(':', '_')}-seed{seed}.json"
+            if cell.is_file():
+                print(f"[check] {cell.name}: done, skipped", flush=True)
+                continue
+            t0 = time.time()
+            load_before = os.getloadavg()[0]
+            result = compare_methods(args.protocol, row, Path(args.data.replace("{seed}", str(seed))), seed,
+                                     args.rounds, eval_rounds, out / "work" / f"{args.label}-{row.replace(':', '_')}",
+                                     log=lambda m: print(m, flush=True))
+            result["label"] = args.label
+            result["load"] = (load_before, os.getloadavg()[0])
+            _write_atomic(cell, json.dumps(result, indent=1, default=_json_default))
+            print(f"[check] {cell.name}: {time.time() - t0:.0f}s", flush=True)
+            _write_atomic(out.parent / "reference_check.md", table(out))
+    print(f"[check] wrote {out.parent / 'reference_check.md'}", flush=True)
+
+
+def _json_default(o):
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, (np.generic,)):
+        return o.item()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return None
 
 
 if __name__ == "__main__":

@@ -117,3 +117,84 @@ def test_problems_flag_fewer_classes_and_a_gap_beyond_the_tolerance():
     assert len(rc.problems(gap, 0.02)) == 1 and rc.problems(gap, 0.11) == []
     collapsed = result({"accuracy": 0.80, "classes_predicted": 1}, {"accuracy": 0.80, "classes_predicted": 2})
     assert ["class(es)" in p for p in rc.problems(collapsed, 0.02)] == [True]
+
+
+# ---------------------------------------------------------------- the equivalence criterion, by hand
+# t quantile used below: t_{0.95, 2} = 2.919986 (3 splits; the 90 % two-sided interval), from a t table.
+T95_2 = 2.919986
+
+
+def test_criterion_a_is_the_90_percent_t_interval_inside_the_margin():
+    import reference_check as rc
+
+    # d = 1, 2, 3 points: mean 2, sd 1, half-width 2.919986 / sqrt(3) = 1.685855 points -> 0.314 to 3.686
+    a = rc.criterion_a([0.01, 0.02, 0.03], margin=0.02)
+    assert a["mean"] == pytest.approx(0.02)
+    assert a["low"] == pytest.approx(0.02 - T95_2 * 0.01 / np.sqrt(3))
+    assert a["high"] == pytest.approx(0.02 + T95_2 * 0.01 / np.sqrt(3))
+    assert a["pass"] is False  # the mean is inside 2 points, the interval is not
+    # d = 0, +1, -1 points: -1.686 to +1.686, inside 2 points, not inside 1.6
+    assert rc.criterion_a([0.0, 0.01, -0.01], margin=0.02)["pass"] is True
+    assert rc.criterion_a([0.0, 0.01, -0.01], margin=0.016)["pass"] is False
+    one = rc.criterion_a([0.0], margin=0.02)  # one split: no interval, no pass
+    assert one["low"] is None and one["pass"] is False
+
+
+def test_criterion_b_compares_the_widest_split_with_the_widest_seed_to_seed_difference():
+    import reference_check as rc
+
+    d = [0.01, -0.03, 0.02]
+    b = rc.criterion_b(d, [0.04, 0.0, -0.01])
+    assert (b["max_diff"], b["max_seed"], b["pass"]) == (pytest.approx(0.03), pytest.approx(0.04), True)
+    assert rc.criterion_b(d, [0.02, 0.01, -0.025])["pass"] is False  # 3 points against 2.5
+    assert rc.criterion_b(d, [])["pass"] is None                      # one training seed: unmeasured
+
+
+def test_per_split_pairs_the_mean_of_the_two_seeds_with_the_reference():
+    import reference_check as rc
+
+    def cell(a, b, ref):
+        return {"projects": [{"metrics": {"20": {"accuracy": a}}}, {"metrics": {"20": {"accuracy": b}}}],
+                "reference_run": {"metrics": {"20": {"accuracy": ref}}}}
+
+    # split 1: (0.80 + 0.84) / 2 - 0.81 = +0.01, seeds 0.80 - 0.84 = -0.04; split 2: (0.70 + 0.70) / 2 - 0.75 = -0.05, 0
+    d, s = rc.per_split([cell(0.80, 0.84, 0.81), cell(0.70, 0.70, 0.75)], 20, "accuracy")
+    assert d == pytest.approx([0.01, -0.05]) and s == pytest.approx([-0.04, 0.0])
+    b = rc.criterion_b(d, s)
+    assert b["pass"] is False  # 5 points from the reference, at most 4 between its own seeds
+    # an older cell (one project run): d only
+    old = {"project": {"metrics": {20: {"accuracy": 0.9}}}, "reference_run": {"metrics": {"20": {"accuracy": 0.8}}}}
+    d, s = rc.per_split([old], 20, "accuracy")
+    assert d == pytest.approx([0.1]) and s == []
+
+
+def test_verdict_needs_both_criteria():
+    import reference_check as rc
+
+    assert rc.verdict({"pass": True}, {"pass": True}) == "equivalent"
+    assert rc.verdict({"pass": True}, {"pass": False}) == "not shown"
+    assert rc.verdict({"pass": False}, {"pass": True}) == "not shown"
+    assert rc.verdict({"pass": True}, {"pass": None}).startswith("not shown")
+
+
+def test_the_project_rows_get_the_references_settings():
+    import reference_check as rc
+    from reference import semisup
+
+    s = dict(semisup.CHECK)
+    got = rc.project_settings("isofed", "isofed", s)
+    opts = dict(o.split(":", 1)[1].split("=", 1) for o in got["opts"])
+    assert opts["optimizer"] == '"sgd"' and float(opts["lr"]) == s["lr"] == 0.03
+    assert float(opts["weight_decay"]) == 5e-4 and opts["reset_optimizer"] == "false"
+    assert float(opts["consistency_weight"]) == 0.02 and float(opts["temperature"]) == 0.5
+    assert float(opts["ema_alpha"]) == pytest.approx(0.001)
+    assert float(opts["lambda_c"]) == 1.0 and float(opts["lambda_unlabeled"]) == 1e4
+    assert opts["pretrain"] == "true" and got["batch_size"] == 64 and got["local_epochs"] == 1
+    assert got["config"]["train#strong_random_transforms"][0]["prob"] == 0.5
+    upper = dict(o.split(":", 1)[1].split("=", 1) for o in rc.project_settings("isofed", "oracle:wfedavg", s)["opts"])
+    assert "consistency_weight" not in upper and all(o.startswith("oracle:wfedavg:") for o in
+                                                     rc.project_settings("isofed", "oracle:wfedavg", s)["opts"])
+    with pytest.raises(ValueError, match="clip"):
+        rc.project_settings("isofed", "isofed", {**s, "max_grad_norm": 5.0})
+    with pytest.raises(ValueError, match="momentum"):
+        rc.project_settings("isofed", "isofed", {**s, "momentum": 0.5})
