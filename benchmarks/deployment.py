@@ -43,10 +43,11 @@ import torch
 from fedlabels.bundle import bundle_path, network
 from fedlabels.data.synthetic import generate
 from fedlabels.flare.commands import simulate
-from fedlabels.flare.job import JOBS, REPO, export
+from fedlabels.flare.job import JOBS, export
 from fedlabels.flare.local_federation import Participant, free_ports, wait_for_sites
 from fedlabels.flare.provision import provision
 
+REPO = Path(__file__).resolve().parents[1]
 SITES = ("site-1", "site-2")
 TX = re.compile(r"download tx \S+ done: status=\w+ .*\(([\d,]+) bytes\)")
 

@@ -17,9 +17,9 @@ from monai.bundle import run as bundle_run
 from PIL import Image
 
 from clinical_inputs import NIFTI_AFFINE, write_inputs
+from fedlabels.bundle import bundle_path
 from fedlabels.bundle.workflows import export_bundle
 from fedlabels.flare.commands import evaluate_global
-from fedlabels.flare.job import REPO
 from shared_runs import PRODUCTION, job
 
 pytestmark = pytest.mark.simulator
@@ -79,7 +79,7 @@ def test_fedmix_job_federates_two_unets_with_adaptive_weights(runs, lesion):
         assert r["sites"]["site-1"]["n"] == r["sites"]["site-1"]["kept_cases"] > 0
         assert "site-2" in r["abstained"] or r["sites"]["site-2"]["n"] > 0
         assert any(note.startswith("adaptive weights: site-1") for note in r.get("notes", [])), r.get("notes")
-    assert evaluate_global(run_dir, REPO / "bundles" / "lesion_unet", lesion["bbox"], "best")["dice"] is not None
+    assert evaluate_global(run_dir, bundle_path("lesion_unet"), lesion["bbox"], "best")["dice"] is not None
 
 
 def test_fedst_job_self_trains_the_image_level_site_after_warmup(runs):

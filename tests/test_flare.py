@@ -42,8 +42,10 @@ from fedlabels import methods
 from fedlabels.data.synthetic import generate
 from fedlabels.flare.commands import LOST_SITE, SiteLostAtStartup, evaluate_global, run_watched, write_jobs
 from fedlabels import references
-from fedlabels.flare.job import JOBS, REPO
+from fedlabels.flare.job import JOBS
 from shared_runs import PRODUCTION, TINY, job, simulate_job, smoke
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Jobs without a simulator run of their own, and the jobs whose runs execute their code:
 # fedpsl_tdma = FedPSL's TDMA server (fedpsl_cxr) with FedPSL's client without TADL (the plain

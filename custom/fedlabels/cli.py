@@ -5,17 +5,21 @@ fedlabels synth {cxr,medmnist,lesion} --out DIR [--seed N]
 fedlabels validate DIR                         check a scenario, print its table
 fedlabels prepare DATASET --src DIR --protocol NAME --out DIR
 fedlabels import LABELS.csv [SITE=MORE.csv ...] --out DIR   your own images and labels
-fedlabels train --bundle bundles/X --data DIR [--site NAME] [--epochs N] --out DIR
-fedlabels evaluate --bundle bundles/X --ckpt MODEL --data DIR
-fedlabels export --bundle bundles/X --ckpt MODEL --out DIR [--run RUN_DIR] [--data DIR]
+fedlabels train --bundle X --data DIR [--site NAME] [--epochs N] --out DIR
+fedlabels evaluate --bundle X --ckpt MODEL --data DIR
+fedlabels export --bundle X --ckpt MODEL --out DIR [--run RUN_DIR] [--data DIR]
 fedlabels baseline {local,centralized,oracle} --data DIR   non-federated references
 fedlabels methods                              registered federated methods
+fedlabels bundles [NAME]                       the MONAI bundles found by name and their folders
 fedlabels bench --data DIR --bundle X --methods a,b --seeds 0,1,2 --rounds R --out DIR
                                                methods side by side over seeds, with local floors
 fedlabels jobs --out nvflare_jobs              (re)generate the FLARE job folders
 fedlabels simulate JOB [--data DIR] -n N       run one job in the FLARE simulator
 fedlabels demo --out DIR                       the main job on the embedded data
 ```
+
+A bundle (``--bundle``) is a folder or the name of one: ``FEDLABELS_BUNDLES``'s folders first, then the
+bundles the package ships (``fedlabels bundles`` lists them).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import re
 import sys
 
+from . import __version__
 from .config import positive_int
 from .profile import ScenarioError
 
@@ -133,6 +138,16 @@ def cmd_export(args):
         _say(f"model card: {os.path.join(out, 'docs', 'README.md')}")
 
 
+def cmd_bundles(args):
+    from .bundle import available, bundle_path
+
+    if args.name:
+        _say(str(bundle_path(args.name)))
+        return
+    for name, folder in available().items():
+        _say(f"{name:18s} {folder}")
+
+
 def cmd_baseline(args):
     from . import references
     from .bundle import bundle_path
@@ -164,6 +179,7 @@ def cmd_methods(args):
 def build_parser(flare: bool = True) -> argparse.ArgumentParser:
     """The ``fedlabels`` parser; ``flare=False`` leaves out the FLARE subcommands (imports nothing heavy)."""
     p = argparse.ArgumentParser(prog="fedlabels", description="Federated learning when every hospital labels differently.")
+    p.add_argument("--version", action="version", version=f"fedlabels {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("synth", help="generate an embedded synthetic scenario")
@@ -238,6 +254,11 @@ def build_parser(flare: bool = True) -> argparse.ArgumentParser:
 
     s = sub.add_parser("methods", help="list the registered federated methods")
     s.set_defaults(fn=cmd_methods)
+
+    s = sub.add_parser("bundles", help="the MONAI bundles found by name (FEDLABELS_BUNDLES's folders first, then "
+                                       "the shipped ones) and their folders")
+    s.add_argument("name", nargs="?", help="print only this bundle's folder (e.g. for --bundle_root)")
+    s.set_defaults(fn=cmd_bundles)
 
     from . import bench
 

@@ -13,26 +13,54 @@ in-process references, the benchmarks) goes through ``bundle_path``,
 from __future__ import annotations
 
 import os
+from importlib import resources
 from pathlib import Path
+
+# A user's own bundle folders, searched before the shipped ones (os.pathsep-separated):
+# a bundle there adds one by its folder's name, or overrides the shipped bundle of that name.
+ENV = "FEDLABELS_BUNDLES"
 
 
 def bundles_dir() -> Path:
-    """The repository's ``bundles/`` folder (``FEDLABELS_BUNDLES`` overrides)."""
-    env = os.environ.get("FEDLABELS_BUNDLES")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / "bundles"
+    """The bundles this release ships: the package data ``fedlabels/bundles`` of an installed wheel
+    (``importlib.resources``), else, in an editable install, the checkout's ``bundles/`` folder."""
+    packaged = resources.files("fedlabels") / "bundles"
+    if isinstance(packaged, Path) and packaged.is_dir():
+        return packaged.resolve()
+    return Path(__file__).resolve().parents[3] / "bundles"
+
+
+def bundle_roots() -> list:
+    """Where a bundle is looked up by name, first match first: the folders of ``FEDLABELS_BUNDLES``, then
+    the shipped bundles (``bundles_dir``)."""
+    return [Path(p).expanduser() for p in os.environ.get(ENV, "").split(os.pathsep) if p] + [bundles_dir()]
+
+
+def is_bundle(folder) -> bool:
+    return (Path(folder) / "configs" / "metadata.json").is_file()
+
+
+def available() -> dict:
+    """Every bundle found by name: name -> folder (a ``FEDLABELS_BUNDLES`` one before a shipped one)."""
+    found = {}
+    for root in bundle_roots():
+        for folder in sorted(root.glob("*")) if root.is_dir() else []:
+            if is_bundle(folder):
+                found.setdefault(folder.name, folder.resolve())
+    return found
 
 
 def bundle_path(bundle, here=None) -> Path:
     """A bundle folder, or the name of one: looked up in ``here`` (a FLARE job's
-    custom folder, where the bundle travels), then under ``bundles/``."""
+    custom folder, where the bundle travels), then in ``bundle_roots()``."""
     path = Path(str(bundle)).expanduser()
-    candidates = [path] + ([Path(here) / path.name] if here is not None else []) + [bundles_dir() / path.name]
+    candidates = ([path] + ([Path(here) / path.name] if here is not None else [])
+                  + [root / path.name for root in bundle_roots()])
     for c in candidates:
-        if (c / "configs" / "metadata.json").is_file():
+        if is_bundle(c):
             return c.resolve()
-    have = sorted(p.name for p in bundles_dir().glob("*") if (p / "configs" / "metadata.json").is_file())
     raise FileNotFoundError(f"{bundle}: not a bundle folder (no configs/metadata.json; looked in "
-                            f"{[str(c) for c in candidates]}); bundles: {have}")
+                            f"{[str(c) for c in candidates]}); bundles: {sorted(available())}")
 
 
 def read(bundle, dataset_dir="", protocol: str | None = None, **overrides):

@@ -34,7 +34,6 @@ from ..methods.base import local_keys
 from .controller import TASKS, FedLabelsController
 from .sent import SentRecord
 
-REPO = Path(__file__).resolve().parents[3]
 SHIM = Path(__file__).with_name("client_script.py")
 
 
