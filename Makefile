@@ -1,7 +1,8 @@
 # Entry points: `make demo` (the main job on the embedded data), `make test` (the
 # test suite, what .ci/run calls) and `make test-fast` (units, reference loops and the
 # static job checks: no simulator, deployment or claim runs); `make test-poc-jobs` runs every shipped
-# job in nvflare's POC mode (about 10 minutes, before a release). All create .venv on first use.
+# job in nvflare's POC mode (about 10 minutes, before a release); `make dist` builds the release's sdist and
+# wheel (docs/release.md). All create .venv on first use.
 # `make docs` builds the documentation site (mkdocs.yml) with --strict, so a broken link,
 # a missing page or an API reference that no longer imports fails; .ci/run calls it too.
 # The test targets print the 15 slowest tests and write JUnit XML reports of every test's
@@ -13,9 +14,9 @@ BIN    := $(VENV)/bin
 # GPU users: see README "Choosing a torch build".
 CONSTRAINTS ?= constraints.txt
 REPORTS ?= test-reports
-FAST    := not simulator and not deploy and not claims and not poc_jobs
+FAST    := not simulator and not deploy and not claims and not poc_jobs and not release
 
-.PHONY: venv demo test test-fast test-poc-jobs docs jobs clean
+.PHONY: venv demo test test-fast test-poc-jobs docs jobs dist clean
 
 $(BIN)/fedlabels: setup.cfg $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -66,5 +67,11 @@ docs: $(BIN)/mkdocs
 jobs: venv
 	$(BIN)/fedlabels jobs --out nvflare_jobs
 
+# The release archives (docs/release.md): the sdist and the wheel, which carries bundles/ as package data
+# (setup.py), built with the pinned setuptools of the environment, offline.
+dist: venv
+	rm -rf dist
+	$(BIN)/python -m build --no-isolation --outdir dist .
+
 clean:
-	rm -rf demo site .pytest_cache $(REPORTS)
+	rm -rf demo site dist .pytest_cache $(REPORTS)

@@ -5,10 +5,11 @@ Markers (registered in setup.cfg; ``--strict-markers`` refuses any other):
 * ``simulator``: runs the real NVIDIA FLARE simulator (or ``fedlabels bench --engine flare``);
 * ``deploy``: a provisioned federation on 127.0.0.1, or nvflare's POC mode (tests/test_deploy.py);
 * ``claims``: a claim checked by training for minutes (tests/test_claims.py, tests/test_fedmlp_claims.py);
-* ``poc_jobs``: every shipped job in nvflare's POC mode (tests/test_poc_jobs.py, ``make test-poc-jobs`` only).
+* ``poc_jobs``: every shipped job in nvflare's POC mode (tests/test_poc_jobs.py, ``make test-poc-jobs`` only);
+* ``release``: the sdist and wheel built, the wheel installed and run outside the checkout (tests/test_release.py).
 
 Each test module marks its own tests (``pytestmark`` or a decorator). The fast lane,
-``make test-fast``, is ``-m "not simulator and not deploy and not claims and not poc_jobs"``: every
+``make test-fast``, is ``-m "not simulator and not deploy and not claims and not poc_jobs and not release"``: every
 unit and reference-loop test and the static job checks (drift, filters, configuration). ``make test``
 (what .ci/run calls) runs everything but ``poc_jobs``.
 

@@ -1,0 +1,146 @@
+"""The release: what ``python -m build`` makes from the checkout, installed where no checkout is.
+
+The sdist and the wheel are built (offline: ``--no-isolation``, with this environment's setuptools),
+their contents checked (the MONAI bundles and their presets are package data, the version is
+``fedlabels.__version__``), and the wheel installed into a new virtual environment outside the
+checkout. To keep it fast that environment sees this one's installed dependencies through a ``.pth``
+file naming its site-packages (lines of a ``.pth`` file only add folders: this environment's own
+``.pth`` files, the editable install's path to ``custom/`` among them, are not read), and the wheel
+goes in with ``pip install --no-deps --no-index``. From a folder outside both, a researcher's and a
+clinical engineer's path then runs on the installed package: ``fedlabels synth`` -> ``fedlabels
+bench`` (one round, tiny) -> ``fedlabels train`` (the model to export) -> ``fedlabels export`` ->
+``python -m monai.bundle run`` inference of the exported bundle, and ``fedlabels jobs``. Each step's
+outputs must exist, and no file of the new environment may change (``__pycache__`` aside).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import fedlabels
+
+pytestmark = pytest.mark.release
+
+REPO = Path(__file__).resolve().parents[1]
+VERSION = fedlabels.__version__
+
+
+def _run(cmd, cwd, env=None, timeout=600) -> str:
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} (in {cwd}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def _files(root: Path) -> dict:
+    """Every file under ``root`` but compiled bytecode: path -> (size, modification time)."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts}
+
+
+def _shipped_bundle_files() -> set:
+    bundles = REPO / "bundles"
+    return {f"bundles/{p.relative_to(bundles).as_posix()}" for p in bundles.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith((".pyc", ".pyo"))}
+
+
+def _fresh_env(root: Path) -> tuple:
+    """A new virtual environment that sees this one's installed dependencies; (python, its site-packages)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    python = root / "bin" / "python"
+    site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=root).strip())
+    deps = dict.fromkeys([sysconfig.get_path("purelib"), sysconfig.get_path("platlib")])
+    (site / "fedlabels_test_dependencies.pth").write_text("".join(f"{d}\n" for d in deps))
+    return python, site
+
+
+def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
+    assert REPO not in tmp_path.parents, "the test's folders must lie outside the checkout"
+    dist = tmp_path / "dist"
+    _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", dist, REPO], cwd=tmp_path)
+
+    # both archives hold the bundles (with their presets) and carry the one version
+    wheel, sdist = dist / f"fedlabels-{VERSION}-py3-none-any.whl", dist / f"fedlabels-{VERSION}.tar.gz"
+    assert sorted(p.name for p in dist.iterdir()) == sorted([sdist.name, wheel.name])
+    shipped = _shipped_bundle_files()
+    assert {"bundles/cxr_resnet18/configs/protocols/cxr.json", "bundles/medmnist_cnn/configs/protocols/isofed.json",
+            "bundles/cxr_densenet121/LICENSE", "bundles/README.md"} <= shipped
+    with zipfile.ZipFile(wheel) as z:
+        in_wheel = set(z.namelist())
+    assert {f"fedlabels/{f}" for f in shipped} <= in_wheel
+    assert {"fedlabels/cli.py", "fedlabels/flare/client_script.py", f"fedlabels-{VERSION}.dist-info/entry_points.txt"} \
+        <= in_wheel
+    assert not [n for n in in_wheel if "__pycache__" in n or n.startswith(("tests/", "bundles/", "custom/"))]
+    with tarfile.open(sdist) as t:
+        in_sdist = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    assert shipped | {"setup.py", "setup.cfg", "pyproject.toml", "MANIFEST.in", "CHANGELOG.md", "constraints.txt",
+                      "custom/fedlabels/__init__.py"} <= in_sdist
+    assert f"## {VERSION}" in (REPO / "CHANGELOG.md").read_text()
+
+    env_dir = tmp_path / "env"
+    python, site = _fresh_env(env_dir)
+    _run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "-q", wheel], cwd=tmp_path)
+    before = _files(env_dir)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "FEDLABELS_BUNDLES", "FEDLABELS_DATA")}
+    env.update(PATH=os.pathsep.join([str(env_dir / "bin"), env.get("PATH", "")]), OMP_NUM_THREADS="1",
+               PYTHONDONTWRITEBYTECODE="1", FEDLABELS_CACHE=str(tmp_path / "cache"),
+               FEDLABELS_PRIVACY_LEDGER=str(tmp_path / "ledger.json"))
+    fedlabels_cmd = env_dir / "bin" / "fedlabels"
+    work = tmp_path / "work"
+    work.mkdir()
+
+    # the installed package, not the checkout, with its own bundles
+    where = _run([python, "-c", "import fedlabels, fedlabels.bundle as b; print(fedlabels.__file__); "
+                                "print(fedlabels.__version__); print(b.bundles_dir())"], cwd=work, env=env).split()
+    assert Path(where[0]).parent == site / "fedlabels" and where[1] == VERSION
+    assert Path(where[2]) == (site / "fedlabels" / "bundles").resolve()
+    assert _run([fedlabels_cmd, "--version"], cwd=work, env=env).strip() == f"fedlabels {VERSION}"
+    listed = _run([fedlabels_cmd, "bundles"], cwd=work, env=env)
+    assert str(site / "fedlabels" / "bundles" / "cxr_resnet18") in listed and str(REPO) not in listed
+
+    _run([fedlabels_cmd, "synth", "cxr", "--out", "data/cxr", "--cases", "60", "--size", "32", "--test-cases", "24"],
+         cwd=work, env=env)
+    assert (work / "data" / "cxr" / "scenario.yaml").is_file()
+    _run([fedlabels_cmd, "bench", "--data", "data/cxr", "--bundle", "cxr_resnet18", "--methods", "fedavg",
+          "--seeds", "0", "--rounds", "1", "--network", "widen_factor=0.25", "--image-size", "32",
+          "--out", "runs/first"], cwd=work, env=env)
+    assert "fedavg" in (work / "runs" / "first" / "results.md").read_text()
+    assert (work / "runs" / "first" / "results.csv").is_file()
+    _run([fedlabels_cmd, "train", "--bundle", "cxr_resnet18", "--data", "data/cxr", "--site", "site-1", "--epochs", "1",
+          "--out", "runs/site-1"], cwd=work, env=env)
+    ckpt = work / "runs" / "site-1" / "models" / "model.pt"
+    assert ckpt.is_file()
+    _run([fedlabels_cmd, "export", "--bundle", "cxr_resnet18", "--ckpt", ckpt, "--data", "data/cxr", "--out",
+          "deploy/cxr"], cwd=work, env=env)
+    bundle = work / "deploy" / "cxr"
+    for rel in ("configs/metadata.json", "configs/inference.json", "models/model.pt", "models/model.ts",
+                "docs/README.md", "LICENSE"):
+        assert (bundle / rel).is_file(), rel
+    images = work / "images"
+    images.mkdir()
+    for image in sorted((work / "data" / "cxr" / "test" / "images").iterdir())[:6]:
+        shutil.copy(image, images)
+    _run([python, "-m", "monai.bundle", "run", "--config_file", bundle / "configs" / "inference.json",
+          "--bundle_root", bundle, "--dataset_dir", images, "--output_dir", "predictions", "--device", "cpu"],
+         cwd=work, env=env)
+    rows = (work / "predictions" / "predictions.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + 6, rows
+
+    # the job folders go to the current folder (or --out), each with its bundle from the package
+    _run([fedlabels_cmd, "jobs", "--name", "fedavg_cxr"], cwd=work, env=env)
+    job = work / "nvflare_jobs" / "fedavg_cxr"
+    assert (job / "job.py").is_file() and (job / "app" / "custom" / "cxr_densenet121" / "configs" / "metadata.json").is_file()
+
+    after = _files(env_dir)
+    assert after == before, {"added": sorted(after.keys() - before.keys()),
+                             "changed": sorted(k for k in before if k in after and after[k] != before[k]),
+                             "removed": sorted(before.keys() - after.keys())}
