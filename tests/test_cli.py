@@ -314,6 +314,7 @@ def test_provisioning_gives_each_hospital_its_admin_its_byoc_policy_and_guards_t
     assert cli.main(["provision", "--project", "study", "--server", "localhost", "--admin", "admin@example.org",
                      "--sites", "hospital-a,hospital-b", "--org-admin", "hospital-a=it@a.example.org",
                      "--no-byoc", "hospital-b", "--withhold-batchnorm", "hospital-a", "--noise-summary", "hospital-b",
+                     "--own-operation", "hospital-a", "--fault-drills", "hospital-b",
                      "--server-storage", "/srv/fedlabels", "--out", str(out)]) == 0
     spec = yaml.safe_load((out / "project.yml").read_text())
     admins = {p["name"]: (p["org"], p["role"]) for p in spec["participants"] if p["type"] == "admin"}
@@ -326,7 +327,15 @@ def test_provisioning_gives_each_hospital_its_admin_its_byoc_policy_and_guards_t
     assert {role: rights["byoc"] for role, rights in policy.items() if "byoc" in rights} == \
         {"project_admin": "none", "org_admin": "none", "lead": "none", "member": "none"}
     assert policy["project_admin"]["submit_job"] == "any"  # only custom code is refused
-    assert not (prod / "hospital-a" / "local" / "authorization.json").exists()  # nvflare's default applies
+    # hospital-a: only its own admins operate it or run shell commands there; custom code as nvflare's default
+    own = json.loads((prod / "hospital-a" / "local" / "authorization.json").read_text())["permissions"]
+    default = json.loads((prod / "hospital-a" / "local" / "authorization.json.default").read_text())["permissions"]
+    assert {role: (rights.get("operate"), rights.get("shell_commands")) for role, rights in own.items()} == \
+        {"project_admin": ("o:site", "o:site"), "org_admin": ("o:site", "o:site"), "lead": ("o:site", "o:site"),
+         "member": (None, None)}
+    assert {role: rights.get("byoc") for role, rights in own.items()} == \
+        {"project_admin": "any", **{r: v.get("byoc") for r, v in default.items() if isinstance(v, dict)}}
+    assert policy["project_admin"]["operate"] == "any"  # hospital-b did not ask for it
     record = {"path": "fedlabels.flare.sent.SentRecord", "args": {"stage": "site"}}
     withhold = {"path": "fedlabels.flare.withhold.WithholdBatchNorm", "args": {}}
     for site, filters in (("hospital-a", [withhold, record]), ("hospital-b", [record])):
@@ -338,7 +347,16 @@ def test_provisioning_gives_each_hospital_its_admin_its_byoc_policy_and_guards_t
                                                                                "delta": 1e-05}}
                                                         if site == "hospital-b" else None)
     assert not (prod / "localhost" / "local" / "privacy.json").exists()
+    from fedlabels.flare.provision import ALLOWED
+
+    for site in ("hospital-a", "hospital-b"):  # least privilege: our classes only, the gate, no log streaming
+        resources = json.loads((prod / site / "local" / "resources.json").read_text())
+        assert resources["class_allow_list"] == list(ALLOWED) and resources["class_list_enforcement_mode"] == "enforce"
+        assert resources["allow_log_streaming"] is False
+        assert resources["app_validator"] == {"path": "fedlabels.flare.gate.JobGate",
+                                              "args": {"site": site, "fault_drills": site == "hospital-b"}}
     resources = json.loads((prod / "localhost" / "local" / "resources.json").read_text())  # --server-storage
+    assert resources["class_allow_list"] == list(ALLOWED) and "app_validator" not in resources
     assert resources["snapshot_persistor"]["args"]["storage"]["args"]["root_dir"] == "/srv/fedlabels/snapshot-storage"
     assert [c["args"]["uri_root"] for c in resources["components"] if c["id"] == "job_manager"] == \
         ["/srv/fedlabels/jobs-storage"]

@@ -44,6 +44,7 @@ from ..nets import batchnorm_keys, batchnorm_keys_by_name
 from ..profile import ScenarioError
 from ..site import flat_metrics, load_state, save_state, setup_site, state_folder, train_task, validate_task
 from .controller import FATAL, RUN, SUMMARY, TASKS, THREADS, VERSIONS, on_the_wire, versions
+from .gate import check_job
 from .withhold import PATH as WITHHOLD_BN
 
 
@@ -280,9 +281,49 @@ def shareable(evaluation: dict, counts: bool) -> dict:
 def size_threads(meta: dict) -> None:
     """Simulated sites share one machine: take the share of the cores the server gives,
     unless OMP_NUM_THREADS says otherwise. Every task carries it, as a task may be the
-    first of a new process."""
-    if meta.get(THREADS) and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(int(meta[THREADS]))
+    first of a new process. Never more than this machine's cores (the server's number is its word)."""
+    threads = meta.get(THREADS)
+    if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0 \
+            and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(min(threads, os.cpu_count() or 1))
+
+
+TOKEN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # a run token names a folder under FEDLABELS_STATE
+
+
+def screen_task(meta: dict, rnd, params, reference: dict, transfer: str) -> str | None:
+    """Why a task the server sent must be refused, or None. The run token becomes a folder name (never a
+    path: no separator, no ``..``); the round a non-negative integer; the weights the network's own keys,
+    shapes and float dtypes, finite (a half-precision transfer leaves integer buffers at the site)."""
+    token = meta.get(RUN)
+    if token not in (None, "") and (not isinstance(token, str) or not TOKEN.fullmatch(token) or set(token) == {"."}):
+        return f"run token {str(token)[:60]!r} is not a plain name"
+    if rnd is not None and (isinstance(rnd, bool) or not isinstance(rnd, int) or rnd < 0):
+        return f"round {str(rnd)[:30]} is not a non-negative integer"
+    if not params:
+        return None
+    if not isinstance(params, dict):
+        return f"weights are a {type(params).__name__}, not a mapping"
+    unknown = sorted(map(str, set(params) - set(reference)))
+    if unknown:
+        return f"unknown weight keys {unknown[:3]}"
+    for key, value in params.items():
+        try:
+            arr = np.asarray(value)
+        except (TypeError, ValueError):
+            return f"{key} is not an array"
+        want = reference[key]
+        if tuple(arr.shape) != tuple(want.shape):
+            return f"shape of {key} is {tuple(arr.shape)}, the network's is {tuple(want.shape)}"
+        if arr.dtype.kind != ("f" if want.is_floating_point() else arr.dtype.kind) or arr.dtype.kind not in "fiub":
+            return f"dtype of {key} is {arr.dtype}"
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            return f"non-finite values in {key}"
+    missing = sorted(k for k, v in reference.items() if k not in params and (transfer == "float32" or
+                                                                               v.is_floating_point()))
+    if missing:
+        return f"weights lack {len(missing)} of the network's keys (e.g. {missing[0]!r})"
+    return None
 
 
 class SiteSession:
@@ -294,11 +335,13 @@ class SiteSession:
     scenario or configuration does not raise: every task is answered with the redacted error, so the
     server stops the job with that one message before round 0."""
 
-    def __init__(self, site: str, cfg_source, args, here: Path | None, say=say):
+    def __init__(self, site: str, cfg_source, args, here: Path | None, say=say, gate: dict | None = None):
         self.site, self.args, self.here, self.say = site, args, here, say
         self.state_root = Path(os.environ.get("FEDLABELS_STATE", "fedlabels_state"))
         self.cfg, self.setup, self.client, self.fatal, self.first_task = None, None, None, None, True
         try:
+            if gate is not None:  # a configuration-only job: the site's gate first (nothing of it is parsed yet)
+                check_job(cfg_source, **gate)
             self.cfg = (RunConfig.from_json(dict(cfg_source), "config_fed_client.json: executor args: config")
                         if isinstance(cfg_source, dict) else RunConfig.load(cfg_source))
             self.setup, self.client = prepare(self.cfg, args, site, here, say)
@@ -326,6 +369,10 @@ class SiteSession:
             size_threads(meta)
             self.say(f"[{site}] torch threads: {torch.get_num_threads()}")
         rnd = model.current_round
+        why = screen_task(meta, rnd, model.params, client.net.state_dict(), cfg.transfer)
+        if why:  # what the server sent is not what a fedlabels server sends: nothing of it is used or written
+            self.say(f"[{site}] refused a {task} task from the server: {why}")
+            return FLModel(params={}, meta={N: 0, ABSTAIN: True, REASON: f"the site refused the task: {why}"})
         folder = state_folder(self.state_root, meta[RUN], site) if meta.get(RUN) else None
         if folder is not None and rnd is not None and meta.get(PHASE) != "summary":
             if site in (meta.get(RESUME) or []):

@@ -248,7 +248,8 @@ def cmd_provision(args):
     kits = provision(args.out, args.project, args.server, sites, args.admin, args.fl_port, args.admin_port,
                      org_admins=org_admins, no_byoc=named(args.no_byoc),
                      withhold_batchnorm=named(args.withhold_batchnorm), noise_summary=named(args.noise_summary),
-                     storage=args.server_storage)
+                     storage=args.server_storage, fault_drills=named(args.fault_drills),
+                     own_operation=named(args.own_operation))
     for name, kit in kits.items():
         print(f"{name:<24} {kit}")
     print("give each participant its own folder; each installs its startup/requirements.txt "
@@ -492,6 +493,12 @@ def add_parsers(sub):
     s.add_argument("--noise-summary", metavar="SITES",
                    help="comma-separated hospitals (or 'all') that noise their label summary whatever the job says "
                         "(local/privacy.json: noise_multiplier 1.0, clip 4.0, delta 1e-5; editable there)")
+    s.add_argument("--own-operation", metavar="SITES",
+                   help="comma-separated hospitals (or 'all') that only their own admins operate (restart, shut "
+                        "down) or run shell commands on: not the project admin (their local/authorization.json)")
+    s.add_argument("--fault-drills", metavar="SITES",
+                   help="comma-separated hospitals (or 'all') whose job gate accepts fault drills: a test "
+                        "federation only (every other hospital refuses a job with a drill naming it)")
     s.add_argument("--server-storage", metavar="DIR",
                    help="absolute folder on the server machine for its job and snapshot stores (the server kit's "
                         "local/resources.json); default nvflare's /tmp/nvflare, which a reboot may empty")

@@ -21,28 +21,37 @@ from nvflare.app_common.abstract.fl_model import ParamsType
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 
 from .client import SiteSession, build_parser
+from .gate import site_gate
 
 
 class SiteExecutor(Executor):
-    def __init__(self, config: dict, data: str = ""):
+    def __init__(self, config: dict):
         """
         Args:
-            config: the run configuration (``RunConfig.to_json``), checked at the site before round 0.
-            data: the site's scenario folder; default ``FEDLABELS_DATA`` (each hospital sets its own).
+            config: the run configuration (``RunConfig.to_json``), checked at the site before round 0: first
+                by the site's gate (``fedlabels.flare.gate``), then as every run configuration is. The data
+                is the site's own (``FEDLABELS_DATA``): no job chooses it.
         """
         super().__init__()
-        self.config, self.data = dict(config), data
+        self.config = config
         self.session = None
 
     def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         if self.session is None:
             app = Path(fl_ctx.get_engine().get_workspace().get_app_dir(fl_ctx.get_job_id()))
-            args = build_parser().parse_args(["--data", self.data] if self.data else [])
+            site = fl_ctx.get_identity_name()
             # "custom" is where a job's own bundle would be; ../config holds the job's filters
             # its lines go to the site's job log, as the client script's printed lines do
-            self.session = SiteSession(fl_ctx.get_identity_name(), self.config, args, here=app / "custom",
-                                       say=self.logger.info)
+            self.session = SiteSession(site, self.config, build_parser().parse_args([]), here=app / "custom",
+                                       say=self.logger.info, gate=gate_policy(site, app / "custom"))
         reply = self.session.handle(task_name, FLModelUtils.from_shareable(shareable))
         if reply.params is not None and reply.params_type is None:
             reply.params_type = ParamsType.FULL
         return FLModelUtils.to_shareable(reply)
+
+
+def gate_policy(site: str, here: Path) -> dict:
+    """The gate's arguments for ``SiteSession``: the kit's own (``local/resources.json``), else the defaults
+    (no fault drills): a configuration-only job is gated at every site, whatever its kit holds."""
+    own = site_gate(here)
+    return {"site": site, "fault_drills": own.get("fault_drills") is True}

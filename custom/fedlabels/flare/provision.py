@@ -42,13 +42,17 @@ from ..profile import write_atomic
 from .withhold import PATH as WITHHOLD_BN
 
 PINNED = ("fedlabels", "nvflare", "monai", "torch")
-# What a production job's configuration names beyond nvflare's default allow list: our controller, site
-# executor and audit filter, the networks of our bundles (the server's persistor builds one), and nvflare's
-# PyTorch persistor, its model locator and its quantization filters (half-precision transfer).
+# Every class a production job's configuration may name, and nothing else (nvflare's default list, about 90
+# classes, is replaced: least privilege): our controller, site executor and audit filter, the networks of our
+# bundles (the server's persistor builds one), nvflare's PyTorch persistor and model locator, the filter that
+# keeps a site's batch norm (FedBN) and the quantization filters (half-precision transfer). Prefixes, as
+# nvflare matches them.
 ALLOWED = ("fedlabels.flare.controller.FedLabelsController", "fedlabels.flare.executor.SiteExecutor",
            "fedlabels.flare.sent.SentRecord", "fedlabels.nets",
            "nvflare.app_opt.pt.file_model_persistor.PTFileModelPersistor",
-           "nvflare.app_opt.pt.file_model_locator.PTFileModelLocator", "nvflare.app_opt.pt.quantization")
+           "nvflare.app_opt.pt.file_model_locator.PTFileModelLocator", "nvflare.app_opt.pt.quantization",
+           "nvflare.app_common.filters.exclude_vars.ExcludeVars")
+GATE = "fedlabels.flare.gate.JobGate"
 REQUIREMENTS = "requirements.txt"
 
 
@@ -144,15 +148,22 @@ def project(name: str, server: str, sites: list, admin: str, fl_port: int = 8002
     }
 
 
-def no_byoc_policy(default: dict) -> dict:
-    """nvflare's authorization policy with BYOC (jobs that carry custom code) refused for every role,
-    the project admin's included (whose "any" is spelled out right by right)."""
+def site_authorization(default: dict, no_byoc: bool = False, own_operation: bool = False) -> dict:
+    """nvflare's authorization policy of a hospital (the project admin's "any" spelled out right by right).
+    ``no_byoc``: jobs that carry custom code are refused for every role, the project admin's included;
+    ``own_operation``: only the hospital's own admins operate the site (restart, shut down) or run shell
+    commands on it: the project admin and the other hospitals' admins may not."""
     policy = copy.deepcopy(default)
     perms = policy["permissions"]
     rights = sorted({r for v in perms.values() if isinstance(v, dict) for r in v})
     for role, value in perms.items():
         perms[role] = {r: "any" for r in rights} if value == "any" else dict(value)
-        perms[role]["byoc"] = "none"
+        if no_byoc:
+            perms[role]["byoc"] = "none"
+        if own_operation:
+            for right in ("operate", "shell_commands"):
+                if perms[role].get(right) not in (None, "none"):
+                    perms[role][right] = "o:site"  # the site's own organisation (each hospital is its own)
     return policy
 
 
@@ -162,15 +173,17 @@ def _resources(kit: Path) -> tuple:
     return path, json.loads((path if path.exists() else local / "resources.json.default").read_text())
 
 
-def allow_fedlabels(kit: Path) -> Path:
-    """The kit's ``local/resources.json``: its default with ``ALLOWED`` added to ``class_allow_list``."""
+def allow_fedlabels(kit: Path, site: str | None = None, fault_drills: bool = False) -> Path:
+    """The kit's ``local/resources.json`` with least privilege: ``class_allow_list`` exactly ``ALLOWED``
+    (enforced); for a hospital (``site``) also its job gate (``fedlabels.flare.gate.JobGate`` as nvflare's
+    ``app_validator``; ``fault_drills``: whether it accepts fault drills) and no log streaming (a job's
+    ``JobLogStreamer`` would send the site's unredacted log, data paths included, to the server)."""
     path, config = _resources(kit)
-    allowed = list(config.get("class_allow_list") or [])
-    if not allowed:
-        from nvflare.app_common.default_component_policy import DEFAULT_CLASS_ALLOW_LIST
-
-        allowed = list(DEFAULT_CLASS_ALLOW_LIST)
-    config["class_allow_list"] = allowed + [c for c in ALLOWED if c not in allowed]
+    config["class_allow_list"] = list(ALLOWED)
+    config["class_list_enforcement_mode"] = "enforce"
+    if site is not None:
+        config["allow_log_streaming"] = False
+        config["app_validator"] = {"path": GATE, "args": {"site": site, "fault_drills": bool(fault_drills)}}
     write_atomic(path, json.dumps(config, indent=2).encode())
     return path
 
@@ -228,9 +241,13 @@ def protect(out: Path, name: str) -> None:
 
 def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int = 8002,
               admin_port: int = 8003, org_admins: dict | None = None, no_byoc=(), withhold_batchnorm=(),
-              noise_summary=(), storage: str | None = None) -> dict:
+              noise_summary=(), storage: str | None = None, fault_drills=(), own_operation=()) -> dict:
     """Write ``out/project.yml`` and run ``nvflare provision``; {participant: startup kit folder}.
+    Every kit allows exactly the classes our jobs name, every hospital gates each job (``fedlabels.flare.gate``)
+    and streams no log to the server (``allow_fedlabels``).
     ``no_byoc``: sites whose ``local/authorization.json`` refuses jobs with custom code;
+    ``own_operation``: sites that only their own admins operate or run shell commands on;
+    ``fault_drills``: sites whose gate accepts fault drills (a test federation);
     ``withhold_batchnorm``: sites whose ``local/privacy.json`` removes batch norm from every reply;
     ``noise_summary``: sites that noise their label summary (``SITE_NOISE``) whatever the job says;
     ``storage``: an absolute folder on the server machine for its job and snapshot stores (``server_storage``).
@@ -240,7 +257,8 @@ def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int
     out = Path(out)
     spec = project(name, server, sites, admin, fl_port, admin_port, org_admins=org_admins)
     for option, named in (("--no-byoc", no_byoc), ("--withhold-batchnorm", withhold_batchnorm),
-                          ("--noise-summary", noise_summary)):
+                          ("--noise-summary", noise_summary), ("--fault-drills", fault_drills),
+                          ("--own-operation", own_operation)):
         unknown = sorted(set(named) - set(sites))
         if unknown:
             raise ProvisionError(f"{option} {unknown[0]!r}: not one of --sites {sites}")
@@ -257,15 +275,17 @@ def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int
     prod = sorted((out / name).glob("prod_*"), key=lambda p: int(p.name.split("_")[1]))[-1]
     kits = {p["name"]: prod / p["name"] for p in spec["participants"]}
     for p in spec["participants"]:
-        if p["type"] in ("server", "client"):
+        if p["type"] == "server":
             allow_fedlabels(kits[p["name"]])
-        if p["type"] == "server" and storage:
-            server_storage(kits[p["name"]], storage)
+            if storage:
+                server_storage(kits[p["name"]], storage)
         if p["type"] == "client":
+            allow_fedlabels(kits[p["name"]], site=p["name"], fault_drills=p["name"] in fault_drills)
             site_policy(kits[p["name"]], withhold_batchnorm=p["name"] in withhold_batchnorm,
                         noise_summary=SITE_NOISE if p["name"] in noise_summary else None)
-    for site in no_byoc:
+    for site in sorted(set(no_byoc) | set(own_operation)):
         local = kits[site] / "local"
         default = json.loads((local / "authorization.json.default").read_text())
-        write_atomic(local / "authorization.json", json.dumps(no_byoc_policy(default), indent=2).encode())
+        policy = site_authorization(default, no_byoc=site in no_byoc, own_operation=site in own_operation)
+        write_atomic(local / "authorization.json", json.dumps(policy, indent=2).encode())
     return kits

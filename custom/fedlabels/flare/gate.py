@@ -1,0 +1,189 @@
+"""The hospital's gate: every configuration-only job is checked against the site's policy before it runs.
+
+A production job carries no code, only ``SiteExecutor``'s arguments (``fedlabels.flare.executor``). Yet
+configuration can still act as code: MONAI's config parser evaluates a string that starts with ``$``,
+resolves ``@`` and ``%`` references, and instantiates any ``_target_``; a preset or bundle name is a path;
+a checkpoint path is unpickled. So the site accepts only what a fedlabels job needs, as plain values:
+
+* ``bundle``: the name of an installed bundle, never a path;
+* ``network``: overrides of the network's own arguments (``NETWORK_KEYS``) with numbers, booleans or plain
+  words; ``_target_`` only as one of the installed networks (``fedlabels.nets.<Class>``); no checkpoint;
+* ``data``: the keys a run uses (``DATA_KEYS``); ``protocol`` a preset of the installed bundle, by name;
+  no ``oracle`` (it trains on labels the hospital does not annotate); no ``data`` executor argument (the
+  hospital's scenario folder is its own ``FEDLABELS_DATA``);
+* ``client`` / ``server`` options: plain values (the method checks their names and ranges);
+* ``faults``: no fault drill at this site unless the site itself allows drills (a test federation).
+
+``check_job`` is the check (no nvflare here); ``JobGate`` runs it as nvflare's site ``app_validator``
+(``local/resources.json``, written by ``fedlabels provision``), so a refused job is never deployed at the
+site: the reason, naming the field, is in the site's log and in the job's deployment record the admin
+reads (``nvflare job meta``). ``SiteExecutor`` runs the same check again before round 0, for a kit whose
+resources.json lacks the validator.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from nvflare.apis.app_validation import AppValidator
+
+EXECUTOR = "fedlabels.flare.executor.SiteExecutor"
+# The networks' own arguments a job may override (fedlabels.nets; tests/test_gate.py keeps this list equal
+# to the constructors' signatures less init_ckpt, which names a file the site would unpickle).
+NETWORK_KEYS = ("spatial_dims", "in_channels", "out_channels", "hidden", "dropout", "widen_factor", "features",
+                "num_groups", "output")
+NETWORK_TARGET = re.compile(r"fedlabels\.nets\.[A-Z][A-Za-z0-9]*")
+DATA_KEYS = ("family", "synth", "batch_size", "image_size", "protocol", "oracle")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_+.-]*")  # a plain word: no $, @ or % (MONAI evaluates those), no path
+
+
+class GateError(ValueError):
+    """A job the site refuses; the message names the field."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"refused by the site's gate: field {field!r}: {message}")
+
+
+def _plain(value, field: str, words: bool = True) -> None:
+    """A number, a boolean, None, a plain word, or a flat list of those: nothing a parser evaluates."""
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            if isinstance(v, (list, tuple, dict)):
+                raise GateError(f"{field}[{i}]", "a nested value; only numbers, booleans and plain words")
+            _plain(v, f"{field}[{i}]", words)
+        return
+    if value is None or isinstance(value, (bool, int, float)):
+        return
+    if isinstance(value, str):
+        if words and WORD.fullmatch(value):
+            return
+        raise GateError(field, f"{value[:60]!r} is not a plain word (a string starting with $, @ or % is code "
+                               "to MONAI's parser; a path names files at the site)")
+    raise GateError(field, f"a {type(value).__name__}; only numbers, booleans and plain words")
+
+
+def installed_bundle(name) -> Path:
+    from ..bundle import bundles_dir
+
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise GateError("bundle", f"{str(name)[:60]!r} is not a bundle name (a job names an installed bundle, "
+                                  "never a path)")
+    path = bundles_dir() / name
+    if not (path / "configs" / "metadata.json").is_file():
+        have = sorted(p.name for p in bundles_dir().glob("*") if (p / "configs" / "metadata.json").is_file())
+        raise GateError("bundle", f"{name!r} is not installed at this site (installed: {have})")
+    return path
+
+
+def check_job(config, site: str, data: str = "", fault_drills: bool = False) -> None:
+    """Raise ``GateError`` naming the field when the site must refuse a job whose ``SiteExecutor`` takes
+    ``config`` (the run configuration's JSON) and ``data``; ``site``: this site's name (fault drills are
+    refused where they name it, unless ``fault_drills``)."""
+    if data:
+        raise GateError("data", "a job cannot choose the hospital's data: the site trains on its own "
+                                "FEDLABELS_DATA")
+    if not isinstance(config, dict):
+        raise GateError("config", f"a {type(config).__name__}, not the run configuration")
+    from ..config import ConfigError, RunConfig
+
+    try:
+        cfg = RunConfig.from_json(dict(config), "job")
+    except ConfigError as e:
+        raise GateError("config", str(e)) from None
+    bundle = installed_bundle(cfg.bundle)
+    _plain(cfg.method, "method")
+    for key, value in cfg.network.items():
+        if key == "_target_":
+            if not isinstance(value, str) or not NETWORK_TARGET.fullmatch(value):
+                raise GateError("network._target_", f"{str(value)[:60]!r} is not one of the installed networks "
+                                                    "(fedlabels.nets.<Class>)")
+            continue
+        if key not in NETWORK_KEYS:
+            raise GateError(f"network.{key}", f"not a network argument a job may set ({list(NETWORK_KEYS)})")
+        _plain(value, f"network.{key}")
+    for key, value in cfg.data.items():
+        if key not in DATA_KEYS:
+            raise GateError(f"data.{key}", f"unknown; a run's data section holds {list(DATA_KEYS)}")
+    if cfg.data.get("oracle"):
+        raise GateError("data.oracle", "trains on labels the hospital does not annotate (an upper bound for "
+                                       "benchmarks, never a hospital's run)")
+    synth = cfg.data.get("synth") or {}
+    if not isinstance(synth, dict):
+        raise GateError("data.synth", "not a mapping")
+    for key, value in synth.items():
+        _plain(value, f"data.synth.{key}", words=False)
+    for key in ("family", "batch_size", "image_size"):
+        _plain(cfg.data.get(key), f"data.{key}")
+    protocol = cfg.data.get("protocol")
+    if protocol is not None:
+        if not isinstance(protocol, str) or not NAME.fullmatch(protocol) \
+                or not (bundle / "configs" / "protocols" / f"{protocol}.json").is_file():
+            raise GateError("data.protocol", f"{str(protocol)[:60]!r} is not a preset of the installed bundle "
+                                             f"{bundle.name}")
+    for side in ("client", "server"):
+        for key, value in getattr(cfg, side).items():
+            _plain(value, f"{side}.{key}")
+    for i, fault in enumerate(cfg.faults):
+        if not isinstance(fault, str) or fault.count(":") != 2:
+            raise GateError(f"faults[{i}]", f"{str(fault)[:60]!r} is not SITE:KIND:ROUND")
+        if fault.split(":")[0] == site and not fault_drills:
+            raise GateError(f"faults[{i}]", f"a fault drill at {site}; this site allows none (fedlabels provision "
+                                            "--fault-drills enables them for a test federation)")
+
+
+def check_client_config(doc, site: str, fault_drills: bool = False) -> None:
+    """``check_job`` for every ``SiteExecutor`` in a job's ``config_fed_client.json`` (its parsed JSON)."""
+    if not isinstance(doc, dict):
+        raise GateError("config_fed_client.json", "not a JSON object")
+    for i, entry in enumerate(doc.get("executors") or []):
+        executor = entry.get("executor") if isinstance(entry, dict) else None
+        if not isinstance(executor, dict) or executor.get("path") != EXECUTOR:
+            continue  # another executor is the job's own code or nvflare's: the class allow list decides
+        args = executor.get("args") or {}
+        if not isinstance(args, dict):
+            raise GateError(f"executors[{i}].executor.args", "not a mapping")
+        unknown = sorted(set(args) - {"config", "data"})
+        if unknown:
+            raise GateError(f"executors[{i}].executor.args.{unknown[0]}", "not an argument of SiteExecutor")
+        check_job(args.get("config"), site, args.get("data", ""), fault_drills)
+
+
+class JobGate(AppValidator):
+    """nvflare's site ``app_validator``: a job whose client configuration fails ``check_job`` is not deployed.
+
+    Args:
+        site: this site's name (fault drills are refused where they name it).
+        fault_drills: whether this site accepts fault drills (a test federation's sites only).
+    """
+
+    def __init__(self, site: str, fault_drills: bool = False):
+        super().__init__()
+        self.site, self.fault_drills = site, bool(fault_drills)
+
+    def validate(self, app_folder: str) -> tuple:
+        path = Path(app_folder) / "config" / "config_fed_client.json"
+        if not path.is_file():
+            return "", {}  # a server app, or a job form nvflare's own validator already refuses
+        try:
+            check_client_config(json.loads(path.read_text()), self.site, self.fault_drills)
+        except (GateError, ValueError) as e:
+            return f"fedlabels gate at {self.site}: {e}", {}
+        return "", {}
+
+
+def site_gate(here) -> dict:
+    """The gate's arguments in the kit's ``local/resources.json`` (``app_validator``), or {} when the kit has
+    none. ``here``: a provisioned job's custom folder (``<kit>/<job>/app_<site>/custom``)."""
+    path = Path(here).resolve().parents[2] / "local" / "resources.json"
+    try:
+        validator = json.loads(path.read_text()).get("app_validator") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(validator, dict) or validator.get("path") != f"{__name__}.JobGate":
+        return {}
+    args = validator.get("args")
+    return args if isinstance(args, dict) else {}
