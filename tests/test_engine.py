@@ -598,9 +598,10 @@ def _fedmix():
     (_tdma, {"annotated": [10, 1e12, 0]}, {}, "differs from the label summary the site declared"),
     (_tdma, {"annotated": [10, float("nan"), 0]}, {}, "not finite and >= 0"),
     (_tdma, {"annotated": [10, -5, 0]}, {}, "not finite and >= 0"),
-    (_fedmix, {}, {"train_loss": "low"}, "train_loss='low' is not a finite number"),
-    (_fedmix, {}, {"train_loss": float("nan")}, "is not a finite number >= 0"),
-    (_fedmix, {}, {"train_loss": -1.0}, "is not a finite number >= 0"),
+    (_fedmix, {}, {"train_loss": "low"}, "train_loss='low' is not a Dice loss in [0, 1]"),
+    (_fedmix, {}, {"train_loss": float("nan")}, "is not a Dice loss in [0, 1]"),
+    (_fedmix, {}, {"train_loss": -1.0}, "is not a Dice loss in [0, 1]"),
+    (_fedmix, {}, {"train_loss": 1e6}, "train_loss='1000000.0' is not a Dice loss in [0, 1]"),  # would take ~0.91
 ])
 def test_rules_drop_a_site_whose_meta_or_metrics_they_cannot_use(make, meta, metrics, reason):
     """Surgical / FedPSL read per-class weights from the site's meta, FedMix its train_loss: a bad one

@@ -115,6 +115,40 @@ def _short(value, limit: int = 60) -> str:
 RULE_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, ArithmeticError)
 
 
+# Validation metrics that lie in [0, 1]: a site's score outside that range is not a score (one that reported
+# 1e9 would pin the best model).
+UNIT_METRICS = ("val_auroc", "val_accuracy", "val_dice", "val_ap", "val_bacc")
+# How far an update's weight norm may stray from the others' (the median over the step's usable updates and
+# the model they received, each update's keys against the received model's same keys): a scaled or zeroed
+# update is dropped. Honest training moves the weights' norm by a few percent a round, never tenfold.
+NORM_RATIO = 10.0
+
+
+def in_range(name: str, value: float) -> bool:
+    return bool(np.isfinite(value)) and (name not in UNIT_METRICS or 0.0 <= value <= 1.0)
+
+
+def norm_ratio(update_weights: dict, received: dict) -> float | None:
+    """||update|| / ||received|| over the float keys the update sent; None when the received model's are 0."""
+    keys = [k for k, v in update_weights.items() if np.asarray(v).dtype.kind == "f"]
+    mine = np.sqrt(sum(float(np.sum(np.square(np.asarray(update_weights[k], dtype=np.float64)))) for k in keys))
+    theirs = np.sqrt(sum(float(np.sum(np.square(np.asarray(received[k], dtype=np.float64)))) for k in keys))
+    return mine / theirs if theirs > 0 else None
+
+
+def outsized(updates: list, received: dict, limit: float | None = NORM_RATIO) -> list:
+    """[(update, reason)] for each update whose weight norm strays more than ``limit`` times from the model
+    it received or from the median of the step's norms (the received model's counted as one). None: no bound."""
+    ratios = [norm_ratio(u.weights, received) for u in updates] if limit else []
+    judged = [(u, r) for u, r in zip(updates, ratios) if r is not None]
+    if not judged:
+        return []
+    median = float(np.median([r for _, r in judged] + [1.0]))
+    return [(u, f"weight norm {r:.3g} x the received model's (the step's median {median:.3g}): more than "
+                f"{limit:g}x apart") for u, r in judged
+            if not all(ref / limit <= r <= ref * limit for ref in (1.0, median))]
+
+
 def finite(weights: dict) -> bool:
     return all(np.isfinite(np.asarray(v)).all() for v in weights.values() if np.asarray(v).dtype.kind == "f")
 
@@ -127,16 +161,19 @@ class RoundEngine:
     """Runs rounds of one server rule. ``log(level, message)``; levels "info", "warning".
 
     ``max_n``: per site, the largest case count an update may carry (the cases it declared at the
-    handshake times its local epochs); a site not in it is not bounded."""
+    handshake times its local epochs); a site not in it is not bounded. ``norm_ratio``: how many times its
+    weight norm may stray from the received model's and the step's median (``outsized``; the FLARE
+    controller sets ``NORM_RATIO``, where sites are other parties)."""
 
     def __init__(self, server, send, *, key_metric: str, min_sites: int = 1, aggregate=_direct, log=None,
-                 max_n: dict | None = None):
+                 max_n: dict | None = None, norm_ratio: float | None = None):
         if min_sites < 1:
             raise ValueError(f"min_sites must be >= 1, got {min_sites}")
         self.server, self.send, self.aggregate_hook = server, send, aggregate
         self.key_metric, self.min_sites = key_metric, min_sites
         self.federation = min_sites  # the number of sites of the round being run (``run_round``)
         self.max_n = dict(max_n or {})
+        self.norm_ratio = norm_ratio  # a deployment's bound on an update's weight norm (``outsized``); None: none
         self.log = log or (lambda level, msg: None)
         self.best, self.scorers, self.aggregated_rounds = None, None, 0
         # The best model's per-site scores and the round whose sites validated it (the model they
@@ -219,10 +256,11 @@ class RoundEngine:
             for why in left:
                 self.log("warning", f"round {rnd} {u.site}: {why}: left out of the record")
             value = metrics.get(self.key_metric)
-            if value is not None and np.isfinite(value):  # the site's score of the model it received (``weights``)
+            if value is not None and in_range(self.key_metric, value):  # its score of the model it received
                 scores[u.site], scored[u.site] = value, weights
             elif value is not None:
-                self.log("warning", f"round {rnd} {u.site}: {self.key_metric}={value} is not finite: not scored")
+                self.log("warning", f"round {rnd} {u.site}: {self.key_metric}={value} is not "
+                                    f"{'finite' if not np.isfinite(value) else 'in [0, 1]'}: not scored")
             valid_n = isinstance(u.n, (int, np.integer)) and not isinstance(u.n, bool)
             record["sites"].setdefault(u.site, {}).update({"n": int(u.n) if valid_n else None, **metrics})
             if u.abstain and u.reason:
@@ -244,6 +282,10 @@ class RoundEngine:
                 self.log("warning", f"round {rnd} {u.site}: update dropped: {why}")
                 continue
             usable.append(u)
+        for u, why in outsized(usable, weights, self.norm_ratio):
+            record["dropped"][u.site] = why
+            self.log("warning", f"round {rnd} {u.site}: update dropped: {why}")
+            usable.remove(u)
         for site in sorted(set(targets) - {u.site for u in updates}):
             record["dropped"][site] = "no result (the site failed or did not answer in time)"
             self.log("warning", f"round {rnd} {site}: update dropped: no result (the site failed or did not answer "
@@ -312,7 +354,7 @@ class RoundEngine:
     def score_final(self, scores: dict, rounds: int | None = None):
         """The final model's mean key metric over the scoring sites; True when it beats the best.
         ``rounds``: how many rounds the final model has been through (its ``best_round``)."""
-        scores = {s: float(v) for s, v in scores.items() if _number(v) and np.isfinite(float(v))}
+        scores = {s: float(v) for s, v in scores.items() if _number(v) and in_range(self.key_metric, float(v))}
         score, present = self._score("final", scores)
         is_best = self._better(rounds if rounds is not None else "final", scores, present)
         return score, is_best

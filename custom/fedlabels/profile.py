@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -152,6 +153,16 @@ def label_summary(profile: SiteProfile, items: list) -> dict:
     }
 
 
+# What a site may declare before round 0. Its case count bounds the weight of its updates (with its local
+# epochs), so the server caps it: no site of a study holds ten million images. A noised summary's report
+# widens that bound by 6 noise standard deviations (noise_multiplier x clip): each is capped so that no
+# report widens it by more than 6 x 20 x 20 = 2,400 cases (a noise multiplier above ~10 already leaves the
+# counts meaningless; a clip above the largest row norm, sqrt(1 + 2 x classes), only adds noise).
+MAX_CASES = 10_000_000
+MAX_NOISE_MULTIPLIER = 20.0
+MAX_CLIP = 20.0
+
+
 def check_summary(summary) -> str | None:
     """Why a label summary a site sent cannot be used (its fields as ``label_summary`` writes them, the
     counts possibly noised but always whole and consistent), or None. The server reads nothing else
@@ -182,12 +193,19 @@ def check_summary(summary) -> str | None:
         return "field 'positives': more positives than annotated cases in a class"
     if summary["labeled"] != any(n > 0 for n in fields["annotated"]):
         return f"field 'labeled': {summary['labeled']}, but the site annotated {sum(fields['annotated'])} cases"
+    if summary["cases"] > MAX_CASES:
+        return f"field 'cases': {summary['cases']} is more than the {MAX_CASES} cases a site may declare"
     report = summary.get("privacy")  # the noised release's report (fedlabels.privacy.REPORT), when there is one
     if report is not None:
         numbers = ("noise_multiplier", "clip", "epsilon", "delta", "releases")
         if not isinstance(report, dict) or not all(isinstance(report.get(k), (int, float))
-                                                   and not isinstance(report.get(k), bool) for k in numbers):
-            return f"field 'privacy': not a report with the numbers {list(numbers)}"
+                                                   and not isinstance(report.get(k), bool)
+                                                   and math.isfinite(report.get(k)) for k in numbers):
+            return f"field 'privacy': not a report with the finite numbers {list(numbers)}"
+        for key, top in (("noise_multiplier", MAX_NOISE_MULTIPLIER), ("clip", MAX_CLIP)):
+            if not 0 < report[key] <= top:
+                return (f"field 'privacy.{key}': {report[key]!r} is not in (0, {top}] (the server widens the "
+                        "site's case bound by the noise its report states)")
     return None
 
 

@@ -38,10 +38,10 @@ from nvflare.app_common.workflows.base_fedavg import BaseFedAvg
 from .. import methods
 from ..checkpoint import read_checkpoint, write_checkpoint
 from ..config import DEFAULT_SITE_TIMEOUT, FILE, RunConfig
-from ..engine import NoProgress, RoundEngine, clean_metrics
+from ..engine import NORM_RATIO, NoProgress, RoundEngine, clean_metrics
 from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, REASON, RESUME, Update
 from ..privacy import REPORT as PRIVACY_REPORT, server_lines
-from ..profile import check_summaries, write_atomic, write_json_atomic
+from ..profile import check_summaries, check_summary, write_atomic, write_json_atomic
 
 FATAL = "fatal_error"
 # Every task a site answers (the client script). Filters are registered for named tasks:
@@ -89,6 +89,7 @@ class FedLabelsController(BaseFedAvg):
         self._drills = []
         self._transfer = "float32"
         self._site_timeout = DEFAULT_SITE_TIMEOUT
+        self._clients = []
 
     # ---------------------------------------------------------------- helpers
     def _path(self, name):
@@ -201,8 +202,8 @@ class FedLabelsController(BaseFedAvg):
             return False
         return isinstance(self.fl_ctx.get_engine(), SimulatorServerEngine)
 
-    def _handshake(self, clients) -> dict:
-        """Every site's label summary, before round 0 (and, simulated, its share of the cores)."""
+    def _handshake(self, clients, min_sites: int = 1) -> dict:
+        """Every site's usable label summary, before round 0 (and, simulated, its share of the cores)."""
         meta = {PHASE: "summary", **self._task_meta()}
         # The first task also waits for each site's start-up (loading and validating its whole
         # datalist), far longer than a round on a large dataset: at least the default timeout.
@@ -224,8 +225,19 @@ class FedLabelsController(BaseFedAvg):
                 self.panic(f"{r.meta['client_name']} runs {differ}, the server {ours}: install the startup kit's "
                            "requirements.txt at every site")
                 return None
-        # the same versions: a summary that fails the screen is broken or hostile, not another format
-        why = check_summaries(summaries)  # nothing a site sent before round 0 reaches a method unscreened
+        # the same versions: a summary that fails the screen is broken or hostile, not another format; nothing
+        # a site sent before round 0 reaches a method unscreened. That site is left out of the run, with its
+        # reason; the others go on if there are enough of them.
+        for site in sorted(summaries):
+            why = check_summary(summaries[site])
+            if why:
+                self.warning(f"{site} is left out of this run: its label summary: {why}")
+                del summaries[site]
+        if len(summaries) < max(1, min_sites):
+            self.panic(f"{len(summaries)} site(s) with a usable label summary, fewer than min_sites={min_sites}: "
+                       "no round starts")
+            return None
+        why = check_summaries(summaries)  # what the sites must share: no one site can be told wrong
         if why:
             self.panic(f"{why}: no round starts")
             return None
@@ -270,10 +282,11 @@ class FedLabelsController(BaseFedAvg):
         model = self.load_model()
         if model is None:
             return
-        clients = self.sample_clients(self.num_clients)
-        summaries = self._handshake(clients)
+        sampled = self.sample_clients(self.num_clients)
+        summaries = self._handshake(sampled, cfg.min_sites)
         if summaries is None:
             return
+        clients = self._clients = [c for c in sampled if c in summaries]  # those with a usable summary
         try:  # what each site's noised label summary spent, once per run (fedlabels.privacy)
             for line in server_lines(summaries, required=bool(cfg.privacy)):
                 self.info(line)
@@ -291,7 +304,7 @@ class FedLabelsController(BaseFedAvg):
         for line in notes:
             self.info(f"method {cfg.method}: {line}")
         engine = RoundEngine(server, self._send, key_metric=key, min_sites=cfg.min_sites, aggregate=self._aggregate,
-                             log=self._log, max_n=case_bounds(summaries, cfg))
+                             log=self._log, max_n=case_bounds(summaries, cfg), norm_ratio=NORM_RATIO)
         start = self.start_round
         if self.resume_from:
             model.params, start = self._resume(engine, cfg.method)
@@ -365,7 +378,7 @@ class FedLabelsController(BaseFedAvg):
         """The final global model validated at every site (per-class, label-aware); {site: key metric}."""
         data = FLModel(params=on_the_wire(model.params, self._transfer), params_type=ParamsType.FULL,
                        current_round=self.num_rounds, meta=self._task_meta())
-        results = self._wait("validate", self.sample_clients(self.num_clients), data)
+        results = self._wait("validate", list(self._clients), data)
         per_site, scores = {}, {}
         for r in results:  # what a site sent: only numbers are kept (clean_metrics), never passed on as is
             u = to_update(r)

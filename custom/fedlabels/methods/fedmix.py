@@ -225,8 +225,9 @@ class AdaptiveAggServer(ServerRule):
     def screen(self, update, global_weights, round, step):
         loss = (update.metrics or {}).get("train_loss") if isinstance(update.metrics, dict) else None
         if isinstance(loss, bool) or not isinstance(loss, (int, float, np.integer, np.floating)) \
-                or not np.isfinite(loss) or loss < 0:
-            return (f"train_loss={str(loss)[:60]!r} is not a finite number >= 0: adaptive aggregation weighs "
+                or not np.isfinite(loss) or not 0 <= loss <= 1:
+            # a Dice loss lies in [0, 1]: a site claiming more would take most of the aggregate (loss^beta)
+            return (f"train_loss={str(loss)[:60]!r} is not a Dice loss in [0, 1]: adaptive aggregation weighs "
                     "a site by its mean training loss")
         return None
 

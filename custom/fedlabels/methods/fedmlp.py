@@ -121,6 +121,14 @@ def average_prototypes(sent: dict, sizes: dict, weighting: str = "mean") -> dict
     return out
 
 
+def feature_size(weights: dict, num_classes: int):
+    """The size of the features the network's head sees: the input size of its last linear layer (the head,
+    ``fedlabels.nets``: the last 2-D weight with one row per class), read from the global model, so that no
+    site's prototypes set the size the others' are checked against. None when there is no such weight."""
+    dims = [np.shape(v)[1] for v in weights.values() if np.ndim(v) == 2 and np.shape(v)[0] == num_classes]
+    return int(dims[-1]) if dims else None
+
+
 def z_scores(features, p0, p1) -> np.ndarray:
     """Eq. 7: cos(P0, F_i) - cos(P1, F_i) per case (rows of ``features``); > 0 leans negative."""
     f = torch.as_tensor(np.asarray(features), dtype=torch.float64)
@@ -388,7 +396,7 @@ class FedMLPServer(FedAvgServer):
     def aggregate(self, updates, global_weights, round):
         new = super().aggregate(updates, global_weights, round)
         if self.mld and round >= self.warmup_rounds - 1:
-            self.collect_prototypes(updates)
+            self.collect_prototypes(updates, feature_size(global_weights, self.num_classes))
         return new
 
     def screen(self, update, global_weights, round, step):
@@ -399,9 +407,12 @@ class FedMLPServer(FedAvgServer):
             return f"extra {PROTOTYPES!r} is a {type(protos).__name__}, not a mapping of class -> prototypes"
         return None
 
-    def collect_prototypes(self, updates):
+    def collect_prototypes(self, updates, dim=None):
+        """Average the sites' prototypes into ``self.prototypes``. ``dim``: the network's feature size, which
+        every prototype must have (``feature_size``); None: the first usable prototype's (a rule run without
+        the global model's weights)."""
         sent, degrees = {}, {}
-        dim = next((p.shape[1] for p in self.prototypes.values()), None)
+        dim = dim if dim is not None else next((p.shape[1] for p in self.prototypes.values()), None)
         for u in updates:
             protos = (u.extras or {}).get(PROTOTYPES)
             if protos is None:
