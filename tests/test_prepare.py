@@ -423,6 +423,26 @@ def test_isofed_medmnist_fixture(tmp_path):
     assert meta["provenance"]["sources"][0]["files"]["bloodmnist.npz"]["md5_matches_official"] is False
 
 
+def test_isofed_rscfed_partition_gives_each_labeled_site_its_block(tmp_path, capsys):
+    npz = make_npz(tmp_path / "mm" / "cells.npz", classes=8)  # not an official name: no MD5 warning
+    out = run("medmnist", "--src", npz, "--protocol", "isofed", "--partition", "rscfed", "--gamma", 0.5,
+              "--labeled", "1,3", "--labeled-fraction", 0.2, "--out", tmp_path / "s")
+    sc = load_scenario(out)
+    sizes = [len(items(s)) for s in sc.sites.values()]
+    # sites 1 and 3 each a block of int(120 x 0.2) = 24 cases, sites 2 and 4 the other 72 (>= 10 each)
+    assert sizes[0] == sizes[2] == 24 and sizes[1] + sizes[3] == 72 and min(sizes[1], sizes[3]) >= 10
+    assert [s.profile.supervision for s in sc.sites.values()] == ["image", "none", "image", "none"]
+    meta = yaml.safe_load((out / "scenario.yaml").read_text())
+    assert meta["protocol"]["partition"] == "rscfed" and meta["protocol"]["labeled_fraction"] == 0.2
+    capsys.readouterr()
+    err = fails(capsys, "medmnist", "--src", npz, "--protocol", "isofed", "--labeled-fraction", 0.2,
+                "--out", tmp_path / "t")
+    assert "--labeled-fraction applies to --partition rscfed only" in err
+    err = fails(capsys, "medmnist", "--src", npz, "--protocol", "isofed", "--partition", "rscfed",
+                "--labeled", 4, "--out", tmp_path / "t")
+    assert "at least one unlabeled site" in err
+
+
 def test_partial_medmnist_site_classes(tmp_path):
     npz = make_npz(tmp_path / "x" / "mystery.npz", classes=4, rgb_=False)
     out = run("medmnist", "--src", npz, "--protocol", "partial", "--site-classes", "0,1;2;3,0", "--out", tmp_path / "s",

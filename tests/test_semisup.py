@@ -471,3 +471,69 @@ def test_a_labeled_site_keeps_lr_when_lr_unlabeled_is_set():
     for bad in ({"lr_unlabeled": 0}, {"consistency_rampup": -1}, {"clip_grad_norm": -1}, {"momentum": 1.0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SemiSupClient(torch.nn.Linear(3, 2), _site(False, _batches()), **bad)
+
+
+def test_warm_start_then_isofed_rounds_match_a_reference_loop():
+    """IsoFed with one warm-up round (the labeled site alone), then one isolated round, under the
+    released-code settings: SGD kept across rounds at lr 0.1 (labeled) / 0.5 (unlabeled), clip 1,
+    lambda_u 3. By hand: round 0, the labeled site trains from W0 -> W1 (a group of one is its own
+    aggregate); round 1, the unlabeled site trains a mean teacher from W1 -> W_u, the labeled site
+    trains from W_u with the momentum of round 0 -> W2."""
+    torch.manual_seed(0)
+    lab_batches = [{**b, "label": torch.tensor([0, 1, 1, 0])} for b in _batches(seed=3)]
+    unl_batches = _batches(seed=4)
+    opts = dict(optimizer="sgd", lr=0.1, lr_unlabeled=0.5, clip_grad_norm=1.0, consistency_weight=3.0, ema_alpha=0.3)
+    nets = {"L": torch.nn.Linear(3, 2), "U": torch.nn.Linear(3, 2)}
+    clients = {"L": SemiSupClient(nets["L"], _site(True, lab_batches, "L"), **opts),
+               "U": SemiSupClient(nets["U"], _site(False, unl_batches, "U"), **opts)}
+    server = IsoFedServer(warmup_rounds=1)
+    server.setup(summaries(labeled=["L"], unlabeled=["U"]))
+
+    def send(step, targets, weights, rnd, extras):
+        return [clients[s].train(weights, rnd, extras) for s in targets]
+
+    engine = RoundEngine(server, send, key_metric="val_accuracy")
+    w0 = to_numpy(torch.nn.Linear(3, 2).state_dict())
+    w1, rec0, _ = engine.run_round(0, w0, ["L", "U"])
+    w2, rec1, _ = engine.run_round(1, w1, ["L", "U"])
+    assert [s["name"] for s in rec0["steps"]] == ["warmup"] and [s["name"] for s in rec1["steps"]] == ["unlabeled", "labeled"]
+
+    lab = torch.nn.Linear(3, 2)
+    lab.load_state_dict({k: torch.as_tensor(v) for k, v in w0.items()})
+    opt_l = torch.optim.SGD(lab.parameters(), lr=0.1, momentum=0.9)
+
+    def ce_epoch():
+        for b in lab_batches:
+            loss = torch.nn.functional.cross_entropy(lab(b["image"]), b["label"])
+            opt_l.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(lab.parameters(), 1.0)
+            opt_l.step()
+
+    ce_epoch()
+    ref_w1 = copy.deepcopy(lab.state_dict())
+    unl = torch.nn.Linear(3, 2)  # the unlabeled site's mean teacher from W1 (sharpening at 0.5: p^2 renormalised)
+    unl.load_state_dict(ref_w1)
+    teacher = copy.deepcopy(unl)
+    opt_u = torch.optim.SGD(unl.parameters(), lr=0.5, momentum=0.9)
+    for b in unl_batches:
+        with torch.no_grad():
+            p_t = torch.softmax(teacher(b["image"]), 1) ** 2
+            p_t = p_t / p_t.sum(1, keepdim=True)
+        loss = 3.0 * ((p_t - torch.softmax(unl(b["image_strong"]), 1)) ** 2).sum(1).mean()
+        opt_u.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(unl.parameters(), 1.0)
+        opt_u.step()
+        with torch.no_grad():
+            for t, s in zip(teacher.parameters(), unl.parameters()):
+                t.copy_(0.3 * s + 0.7 * t)
+    w_u = unl.state_dict()
+    with torch.no_grad():
+        for k, p in lab.state_dict().items():
+            p.copy_(w_u[k])  # the labeled site starts from W_u; its optimizer (momentum) carries on
+    ce_epoch()
+    for k, v in ref_w1.items():
+        np.testing.assert_allclose(w1[k], v.numpy(), rtol=0, atol=1e-5)
+    for k, v in lab.state_dict().items():
+        np.testing.assert_allclose(w2[k], v.numpy(), rtol=0, atol=1e-5)
