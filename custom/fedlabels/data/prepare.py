@@ -18,6 +18,7 @@ partial, fedmix (see fedlabels.data.protocols).
 
 Examples:
   fedlabels prepare bloodmnist --src data/medmnist --protocol isofed --gamma 0.5 --labeled 1 --out scen/blood
+  fedlabels prepare bloodmnist --src data/medmnist --protocol isofed --partition rscfed --labeled 1 --out scen/blood-r
   fedlabels prepare nih --src NIH --src tb=TB --src covid=COVID --protocol fedpsl-8 --out scen/fedpsl8
   fedlabels prepare ph2 --src data/ph2 --protocol fedmix --sites 3 --supervision L,B,I --out scen/ph2
 """

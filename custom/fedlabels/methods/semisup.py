@@ -23,8 +23,8 @@ round 0 (``labeled``: the site has at least one labeled training case).
 Dynamically weighted FedAvg (IsoFed Eq. 2-3, RSCFed's rule) weighs site k by
 n_k exp(-lambda ||W_k - W_avg||_2 / n_k). As in RSCFed's released code the
 scale depends on the group: ``lambda_c`` when the group holds a labeled site
-(RSCFed ``sup_scale``, 1), ``lambda_unlabeled`` when it holds unlabeled sites
-only (RSCFed ``dist_scale``, 1e4).
+(RSCFed ``sup_scale``: options.py default 1, README run 100), ``lambda_unlabeled``
+when it holds unlabeled sites only (RSCFed ``dist_scale``, 1e4).
 
 What a site sends: the weights, n and its label summary (counts per class),
 as every method here; nothing else.
@@ -199,9 +199,12 @@ class WeightedFedAvgServer(ServerRule):
     """One dynamically weighted FedAvg over every site (IsoFed Eq. 3).
 
     ``warmup_rounds`` (default 0, the papers): the first rounds train the
-    labeled sites only (RSCFed's released code starts its semi-supervised
-    rounds from a model trained on the labeled site). Every semi-supervised
-    rule here inherits it."""
+    labeled sites only. RSCFed's released code (README ``--resume
+    --from_labeled``) starts its semi-supervised rounds at round 7 from a
+    checkpoint trained on the labeled client; 7 warm-up rounds with the
+    clients' optimizers kept (``reset_optimizer`` False) are that warm start
+    (preset ``isofed_rscfed``, docs/methods.md). Every semi-supervised rule
+    here inherits it."""
 
     needs_labeled = True
 
