@@ -84,7 +84,7 @@ def fed(tmp_path_factory):
     out = subprocess.run([FEDLABELS, "provision", "--project", "loop", "--server", "localhost",
                           "--sites", ",".join(SITES), "--admin", ADMIN, "--out", str(tmp / "prov"),
                           "--fl-port", str(fl_port), "--admin-port", str(admin_port), "--no-byoc", "site-2",
-                          "--server-storage", str(tmp / "server-storage")],
+                          "--fault-drills", "site-2", "--server-storage", str(tmp / "server-storage")],
                          capture_output=True, text=True, check=True).stdout
     kits = {line.split()[0]: Path(line.split()[1]) for line in out.splitlines() if len(line.split()) == 2}
     # sites send a heartbeat every 10 s (nvflare's default): 25 s tolerates one late beat
@@ -313,6 +313,60 @@ def test_a_hospital_that_refuses_custom_code_refuses_a_job_that_carries_it(fed):
     assert not list(fed["kits"]["site-2"].glob(f"{job_id}/log.txt"))  # nothing of it ran at site-2
 
 
+def test_a_hospitals_gate_refuses_each_configuration_attack_before_round_0(fed):
+    """Configuration-only jobs (no code: what a --no-byoc hospital runs) that would make site-2 run code, pick
+    its data, or stream its log: each is refused there at deployment by its gate (nvflare's app_validator,
+    fedlabels.flare.gate), naming the field, in site-2's log and in the job record the admin reads; no file
+    the attack would write exists. Drills are allowed at site-2 (--fault-drills), so the drill case asks for
+    one at site-1, which allows none."""
+    kit = ["--startup-kit", str(fed["admin"])]
+    marker = fed["tmp"] / "gate-pwned"
+    code = f"$__import__('pathlib').Path({str(marker)!r}).write_text('x') and 1"
+    streamer = {"id": "log", "path": "nvflare.app_common.logging.job_log_streamer.JobLogStreamer", "args": {}}
+    attacks = {  # name -> (change to the executor's run configuration, to its args, to the config; field)
+        "expression": ({"network": {"in_channels": code}}, {}, {}, "network.in_channels"),
+        "target": ({"network": {"_target_": "pathlib.Path"}}, {}, {}, "network._target_"),
+        "preset": ({"data": {"family": "cxr", "protocol": "../../../../etc/hosts"}}, {}, {}, "data.protocol"),
+        "data": ({}, {"data": str(fed["data"]["site-1"])}, {}, "data"),
+        "oracle": ({"data": {"family": "cxr", "oracle": True}}, {}, {}, "data.oracle"),
+        "drill": ({"faults": ["site-1:hang:0"]}, {}, {}, "faults[0]"),
+        "log": ({}, {}, {"components": [streamer]}, "components[0]"),
+    }
+    submitted = {}
+    for name, (change, args, extra, field) in attacks.items():
+        folder = Path(subprocess.run([sys.executable, str(JOB), "--out", str(fed["tmp"] / "gate" / name), "-n", "2",
+                                      "--min-sites", "2", "--rounds", "1", "--config-only"],
+                                     capture_output=True, text=True, check=True).stdout.strip())
+        path = folder / "app" / "config" / "config_fed_client.json"
+        doc = json.loads(path.read_text())
+        executor = doc["executors"][0]["executor"]
+        executor["args"]["config"].update(change)
+        executor["args"].update(args)
+        doc.update(extra)
+        path.write_text(json.dumps(doc))
+        out = nvflare("job", "submit", "-j", str(folder), *kit)
+        submitted[name] = re.search(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", out).group(0)
+    try:
+        for name, job_id in submitted.items():
+            site = "site-1" if name == "drill" else "site-2"
+            field = attacks[name][3]
+            deadline, status = time.time() + HANG, ""
+            while time.time() < deadline:  # nvflare's job record shows each site's deployment
+                status = nvflare("job", "meta", job_id, *kit)
+                if re.search(rf"{site}\W+NVFLARE_ERROR", status):
+                    break
+                time.sleep(2)
+            assert f"fedlabels gate at {site}: refused by the site's gate: field {field!r}" in status, (name, status)
+            assert not list(fed["kits"][site].glob(f"{job_id}/log.txt")), name  # nothing of it ran there
+            assert f"field {field!r}" in (fed["kits"][site] / "log.txt").read_text(errors="replace"), name
+    finally:
+        for job_id in submitted.values():
+            nvflare("job", "abort", job_id, *kit, check=False)
+        for job_id in submitted.values():
+            nvflare("job", "wait", job_id, "--timeout", "60", *kit, check=False)
+    assert not marker.exists()
+
+
 def site_env(fed, site, **extra) -> dict:
     return {"FEDLABELS_DATA": str(fed["data"][site]), "OMP_NUM_THREADS": "1", **extra}
 
@@ -432,12 +486,14 @@ def test_a_killed_hospital_is_left_out_and_the_job_finishes(fed):
 
 def test_a_server_killed_at_any_point_resumes_to_the_uninterrupted_model(fed):
     """fedbn_cxr for 4 rounds (each hospital keeps its own batch norm and its Adam moments from round to
-    round), the server stopped four times and the job resumed each time from the folder the stopped
+    round), the server stopped five times and the job resumed each time from the folder the stopped
     server left: the whole server killed (SIGKILL) wherever it is once round 0 is aggregated, then
     restarted; then the fault drill once the hospitals have answered round 2 (they hold their round-2
-    state, the server wrote nothing of the round); after round 3's metrics but before its checkpoint;
-    and after round 3's checkpoint and progress.json but before its model file (the job resumed from there
-    has no round left: it writes the checkpoint's model). That global model equals 4 uninterrupted rounds
+    state, the server wrote nothing of the round); once round 3 is aggregated but before anything of it is written;
+    after round 3's checkpoint, progress.json and metrics but before its model file; and, from the same
+    folder again, after everything of round 3 but before the final evaluation (the job resumed from there
+    has no round left: it validates the checkpoint's model with the sites' saved state). Each leg finds its
+    drill's line in the server's log and the files it should have left behind. That global model equals 4 uninterrupted rounds
     of the in-process engine, the engine the FLARE controller runs
     (FLARE = in-process: tests/test_flare.py). Then site-2 loses its saved state and the last round is
     resumed again: it joins from the global model, restarted with its own rules (its privacy.json): its
@@ -485,22 +541,39 @@ def test_a_server_killed_at_any_point_resumes_to_the_uninterrupted_model(fed):
     assert recs == list(range(next_round, 2)), recs  # round 2 answered by the sites, never logged
     assert read_checkpoint(b, "fedbn", 4)["next_round"] == 2
     assert states("site-1") == ["round-00001.pt", "round-00002.pt"]  # its last two rounds
+    def model_file(folder):
+        return torch.load(folder / "app_server" / "FL_global_model.pt", weights_only=False)["model"]
+
+    def same(a, b):
+        return set(a) == set(b) and all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
+
     c, job_id, log, recs = leg(b, "server:before_checkpoint:3")
+    assert "fault drill: the server dies at before_checkpoint of round 3" in log
     for site in SITES:  # they had trained round 2 for the stopped server: they resume the state before it
         assert f"[{site}] resumed its state of round 1" in site_log(fed, site, job_id)
-    assert recs == [2, 3]  # round 3 logged, never checkpointed
+    assert recs == [2]  # round 3 aggregated, nothing of it written: no line ahead of the checkpoint
     saved = read_checkpoint(c, "fedbn", 4)
     assert saved["next_round"] == 3 and json.loads((c / "progress.json").read_text())["next_round"] == 3
-    on_disk = torch.load(c / "app_server" / "FL_global_model.pt", weights_only=False)["model"]
-    for k, v in on_disk.items():  # the model file is the checkpoint's (round 2's), never round 3's
-        np.testing.assert_array_equal(np.asarray(v), saved["weights"][k], err_msg=k)
+    assert same(model_file(c), saved["weights"])  # the model file is the checkpoint's (round 2's), never round 3's
     d, job_id, log, recs = leg(c, "server:before_model:3")
+    assert "fault drill: the server dies at before_model of round 3" in log
     for site in SITES:
         assert f"[{site}] resumed its state of round 2" in site_log(fed, site, job_id)
-    assert recs == [3] and read_checkpoint(d, "fedbn", 4)["next_round"] == 4  # checkpointed, its model file not
-    e, job_id, log, recs = leg(d)
+    assert recs == [3] and read_checkpoint(d, "fedbn", 4)["next_round"] == 4  # checkpointed, its model file not:
+    assert same(model_file(d), saved["weights"]) and not same(model_file(d), read_checkpoint(d, "fedbn", 4)["weights"])
+    # the same round again from c, the server stopped after everything of round 3, before the final evaluation
+    d2, job_id, log, recs = leg(c, "server:between_rounds:3")
+    assert "fault drill: the server dies at between_rounds of round 3" in log
+    final = read_checkpoint(d2, "fedbn", 4)
+    assert recs == [3] and final["next_round"] == 4 and same(model_file(d2), final["weights"])
+    assert same(final["weights"], read_checkpoint(d, "fedbn", 4)["weights"])  # round 3 twice from c: one model
+    assert not (d2 / "cross_site_eval.json").exists()  # the final evaluation never ran
+    e, job_id, log, recs = leg(d2)
     assert recs == [] and f"(run {run})" in log  # nothing left to train: the checkpoint's model, validated
-    resumed = torch.load(e / "app_server" / "FL_global_model.pt", weights_only=False)["model"]
+    assert (e / "cross_site_eval.json").exists()
+    for site in SITES:  # with the state each site saved (its own batch norm), not the initial one
+        assert f"[{site}] resumed its state of round 3" in site_log(fed, site, job_id)
+    resumed = model_file(e)
 
     spec = dataclasses.replace(JOBS["fedbn_cxr"], sites=2, rounds=4)
     threads = torch.get_num_threads()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fedlabels.methods as methods
-from fedlabels.engine import NoProgress, RoundEngine, screen_update
+from fedlabels.engine import NORM_RATIO, NoProgress, RoundEngine, in_range, outsized, screen_update
 from fedlabels.methods import Update
 from fedlabels.methods.base import START_GLOBAL, START_PREVIOUS, Step, to_numpy
 from fedlabels.methods.fedavg import FedAvgServer
@@ -628,3 +628,38 @@ def test_the_final_evaluation_ignores_scores_that_are_not_finite_numbers():
     assert eng.score_final({"A": "0.99", "B": float("inf")}, rounds=1) == (None, False)
     assert eng.score_final({"A": float("nan"), "B": 0.7}, rounds=1) == (pytest.approx(0.7), True)
     assert eng.best_scores == {"B": 0.7} and eng.best_round == 1
+
+
+# ------------------------------------------------------------------ what a deployment bounds
+
+
+def test_a_score_outside_its_range_is_not_scored():
+    eng, _ = engine({"A": upd("A", 1, [1, 2], metrics={KEY: 1e9}), "B": upd("B", 1, [1, 2], metrics={KEY: 0.7})})
+    _, record, best = eng.run_round(0, GLOBAL, ["A", "B"])
+    assert record["scored_by"] == ["B"] and eng.best == pytest.approx(0.7)
+    assert any("val_auroc=1000000000.0 is not in [0, 1]: not scored" in msg for _, msg in eng.logs)
+    assert eng.score_final({"A": 5.0, "B": 0.9}) == (pytest.approx(0.9), True)  # A's 5.0 is no AUROC
+    assert in_range("val_loss", 7.5) and not in_range("val_loss", float("inf"))  # an unbounded metric
+
+
+def test_an_update_whose_norm_strays_tenfold_is_dropped_in_a_deployment():
+    """Received w = [3, 4] (norm 5). A: norm 5.1 (ratio 1.02), B: 4.9, C scaled 100x (ratio ~100): C strays
+    from the received model and from the median of [1.02, 0.98, 100, 1] = 1.01; FedAvg of A and B only."""
+    start = {"w": np.array([3.0, 4.0], dtype=np.float32), "nbt": np.array(0, dtype=np.int64)}
+    answers = {"A": upd("A", 1, [3.06, 4.08]), "B": upd("B", 1, [2.94, 3.92]), "C": upd("C", 1, [300.0, 400.0])}
+    eng, _ = engine(answers, norm_ratio=NORM_RATIO)
+    out, record, _ = eng.run_round(0, start, ["A", "B", "C"])
+    assert sorted(record["dropped"]) == ["C"] and "weight norm 100 x the received model's" in record["dropped"]["C"]
+    np.testing.assert_allclose(out["w"], [3.0, 4.0], rtol=1e-6)  # the mean of A and B
+    zeroed = {**answers, "C": upd("C", 1, [0.0, 0.0])}  # shrinking to nothing strays too
+    eng, _ = engine(zeroed, norm_ratio=NORM_RATIO)
+    _, record, _ = eng.run_round(0, start, ["A", "B", "C"])
+    assert "weight norm 0 x" in record["dropped"]["C"]
+    eng, _ = engine(answers)  # in-process studies: no bound unless asked for
+    _, record, _ = eng.run_round(0, start, ["A", "B", "C"])
+    assert record["dropped"] == {}
+    # two sites: the received model keeps the median honest (median of [1.02, 100, 1] = 1.02)
+    eng, _ = engine({"A": answers["A"], "C": answers["C"]}, norm_ratio=NORM_RATIO)
+    _, record, _ = eng.run_round(0, start, ["A", "C"])
+    assert sorted(record["dropped"]) == ["C"]
+    assert outsized([upd("A", 1, [5.0, 5.0])], GLOBAL) == []  # a zero received model: no ratio to judge by

@@ -448,3 +448,28 @@ def test_rscfed_partial_step_matches_a_reference_loop():
             stepped = p_ref - 0.1 * p_ref.grad
             torch.testing.assert_close(p_got, stepped, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(p_t, 0.75 * p_t0 + 0.25 * stepped, rtol=1e-5, atol=1e-6)
+
+
+def test_prototypes_are_checked_against_the_networks_feature_size_not_the_first_sites():
+    """A hostile first site sends prototypes of another size: it is the one dropped, not every honest site
+    after it. The size comes from the global model's head (the last weight with a row per class)."""
+    from fedlabels.engine import RoundEngine
+    from fedlabels.methods.fedmlp import feature_size
+    from fedlabels.nets import ResNet18Classifier
+
+    net = ResNet18Classifier(out_channels=3, widen_factor=0.25)
+    weights = {k: v.numpy() for k, v in net.state_dict().items()}
+    assert feature_size(weights, 3) == net.head.in_features
+    server = FedMLPServer(warmup_rounds=1)
+    server.setup(summaries())
+    honest = [[0.0, 1.0], [1.0, 0.0]]
+
+    def send(step, targets, w, rnd, extras):
+        return [update("s2", {"1": [[0.0, 1.0, 2.0], [1.0, 0.0, 2.0]]}, [0.5, 0.4, 0.2]),  # 3 features, first
+                update("s1", {"0": honest}, [0.5, 0.4, 0.2])]
+
+    head = {"head.weight": np.zeros((3, 2), np.float32), "w": np.zeros(2, np.float32)}  # 2 features
+    engine = RoundEngine(server, send, key_metric="val_auroc")
+    _, record, _ = engine.run_round(0, head, ["s2", "s1"])
+    assert any("s2: prototype for class '1' dropped: shape (2, 3), expected (2, 2)" in n for n in record["notes"])
+    assert sorted(server.prototypes) == [0]  # s1's honest prototype kept

@@ -126,6 +126,17 @@ def test_the_site_validator_reads_the_jobs_client_configuration(tmp_path):
     doc["executors"][0]["executor"]["args"] = {"config": job(), "shell": "x"}
     with pytest.raises(GateError, match="executor.args.shell"):
         check_client_config(doc, SITE)
+    # a log streamer (the site's unredacted log to the server), another executor: classes no job of ours names
+    doc["executors"][0]["executor"]["args"] = {"config": job()}
+    streamer = {"id": "log", "path": "nvflare.app_common.logging.job_log_streamer.JobLogStreamer", "args": {}}
+    with pytest.raises(GateError, match=r"field 'components\[0\]'.*JobLogStreamer"):
+        check_client_config({**doc, "components": [streamer]}, SITE)
+    other = {"tasks": ["train"], "executor": {"path": "nvflare.app_common.np.np_trainer.NPTrainer"}}
+    with pytest.raises(GateError, match="NPTrainer"):
+        check_client_config({**doc, "executors": doc["executors"] + [other]}, SITE)
+    (app / "custom").mkdir()  # a job with code: nvflare's BYOC right decides, not the gate
+    (app / "config" / "config_fed_client.json").write_text(json.dumps({**doc, "components": [streamer]}))
+    assert JobGate(SITE).validate(str(app)) == ("", {})
 
 
 def test_a_gated_session_refuses_before_building_anything(tmp_path):

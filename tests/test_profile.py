@@ -180,6 +180,14 @@ def test_every_real_summary_passes_the_servers_screen_and_each_hostile_one_is_na
         ({"annotated": [0] * 6}, "more positives than annotated"),
         ({"privacy": "spent nothing"}, "field 'privacy': not a report"),
         ({"privacy": {"epsilon": 1.0}}, "field 'privacy': not a report"),
+        ({"cases": 10**8, "annotated": [10**8] * 6}, "field 'cases': 100000000 is more than the 10000000"),
+        # a report that would widen the site's case bound without limit (6 x noise_multiplier x clip cases)
+        ({"privacy": {"noise_multiplier": 1e12, "clip": 4.0, "epsilon": 1.0, "delta": 1e-5, "releases": 1}},
+         "field 'privacy.noise_multiplier': 1000000000000.0 is not in (0, 20.0]"),
+        ({"privacy": {"noise_multiplier": float("inf"), "clip": 4.0, "epsilon": 1.0, "delta": 1e-5, "releases": 1}},
+         "not a report with the finite numbers"),
+        ({"privacy": {"noise_multiplier": 1.0, "clip": 500.0, "epsilon": 1.0, "delta": 1e-5, "releases": 1}},
+         "field 'privacy.clip': 500.0 is not in (0, 20.0]"),
     ]:
         hostile = change if isinstance(change, str) else {**good, **change}
         assert reason in (check_summary(hostile) or ""), (change, check_summary(hostile))

@@ -6,9 +6,10 @@ and the round engine's state, the next round, the method and the run token
 (the name under which the sites keep their own state, ``site.state_folder``).
 Resuming reads this file only, never ``FL_global_model.pt`` or
 ``progress.json``, so a server killed between writing any two files resumes
-from one consistent round. The controller writes ``progress.json`` (what a
-person or a script reads) and then the persistor's ``FL_global_model.pt``
-after it, so neither is ever ahead of the checkpoint.
+from one consistent round. The controller writes this file first, then
+``progress.json`` (what a person or a script reads), the round's line of
+``metrics.jsonl``, the best model and the persistor's ``FL_global_model.pt``,
+so none of them is ever ahead of the checkpoint.
 """
 
 from __future__ import annotations

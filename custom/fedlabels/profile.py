@@ -474,13 +474,30 @@ def format_summary(scenario: Scenario) -> str:
 
 
 def write_atomic(path, data: bytes) -> None:
-    """Write bytes to a temporary name in the same folder, then rename: never half a file."""
+    """Write bytes to a temporary name in the same folder, flush them to the disk, then rename (and flush
+    the folder): never half a file, and after a power loss the old file or the new one, never an empty one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    try:  # the rename itself survives a crash once the folder's entry is on the disk
+        folder = os.open(path.parent, os.O_RDONLY)
+    except OSError:  # a platform whose folders cannot be opened (Windows)
+        return
+    try:
+        os.fsync(folder)
+    except OSError:
+        pass
+    finally:
+        os.close(folder)
 
 
 def write_json_atomic(path, data) -> None:

@@ -53,8 +53,9 @@ THREADS = "threads"  # torch threads a simulated site should use
 RUN = "run_token"  # names this run (a resumed run keeps it): the folder of each site's saved state
 SERVER = "server"  # the fault drills' name for the server: "server:POINT:ROUND" (DRILL_POINTS)
 # Where the server-kill drill ends the server in a round: once the sites have answered a step and nothing
-# of the round is written; after the round's metrics and best model but before its checkpoint; after the
-# checkpoint but before FL_global_model.pt; after everything of the round.
+# of the round is written; once the round is aggregated, still with nothing of it written; after its
+# checkpoint, progress.json, metrics line and best model but before FL_global_model.pt; after everything
+# of the round.
 DRILL_POINTS = ("mid_round", "before_checkpoint", "before_model", "between_rounds")
 VERSIONS = "versions"  # the packages a site runs; the server refuses a mismatch before round 0
 
@@ -325,13 +326,18 @@ class FedLabelsController(BaseFedAvg):
             received = dict(model.params)
             weights, record, best = engine.run_round(rnd, received, list(clients))
             if best is not None:
+                self._best_weights = dict(best)  # into the checkpoint first; its file after
+            model = self.update_model(model, FLModel(params=weights, params_type=ParamsType.FULL, meta={}))
+            record["seconds"] = time.time() - t0
+            self._drill("before_checkpoint", rnd)  # nothing of the round is written yet
+            # The checkpoint first, then what a person reads: no file is ever ahead of it (a resumed run
+            # writes the checkpoint's best model again).
+            self._save_state(engine, rnd + 1, cfg.method, model.params)
+            if best is not None:
                 self._save_best(best)
                 self.info(f"round {rnd}: new best {key}={engine.best:.4f} (the model the scoring sites "
                           f"{record['scored_by']} received)")
-            model = self.update_model(model, FLModel(params=weights, params_type=ParamsType.FULL, meta={}))
-            self._log_round(record, key, time.time() - t0)
-            self._drill("before_checkpoint", rnd)
-            self._save_state(engine, rnd + 1, cfg.method, model.params)
+            self._log_round(record, key)
             self._drill("before_model", rnd)
             self.save_model(model)  # after the checkpoint: FL_global_model.pt is never ahead of it
             self._drill("between_rounds", rnd)
@@ -376,8 +382,11 @@ class FedLabelsController(BaseFedAvg):
 
     def _cross_site_eval(self, model, key) -> dict:
         """The final global model validated at every site (per-class, label-aware); {site: key metric}."""
+        # a site that has not trained since a resume loads its saved state first (FedBN's batch norm)
+        resume = sorted(self._resume_sites & set(self._clients))
+        self._resume_sites -= set(resume)
         data = FLModel(params=on_the_wire(model.params, self._transfer), params_type=ParamsType.FULL,
-                       current_round=self.num_rounds, meta=self._task_meta())
+                       current_round=self.num_rounds, meta={RESUME: resume, **self._task_meta()})
         results = self._wait("validate", list(self._clients), data)
         per_site, scores = {}, {}
         for r in results:  # what a site sent: only numbers are kept (clean_metrics), never passed on as is
@@ -399,15 +408,14 @@ class FedLabelsController(BaseFedAvg):
             self.info(f"final global model at {site}: {key}={value:.4f}")
         return scores
 
-    def _log_round(self, record, key, seconds):
-        rnd = record["round"]
+    def _log_round(self, record, key):
+        rnd, seconds = record["round"], record["seconds"]
         for site, m in sorted(record["sites"].items()):
             vals = " ".join(f"{k}={v:.4f}" for k, v in m.items() if "/" not in k and isinstance(v, float))
             self.info(f"round {rnd} {site}: n={m['n']} {vals}")
         self.info(f"round {rnd} done in {seconds:.1f}s; mean {key} of received model = {record[f'mean_{key}']}"
                   + (f"; dropped {sorted(record['dropped'])}" if record["dropped"] else "")
                   + (f"; abstained {record['abstained']}" if record["abstained"] else ""))
-        record["seconds"] = seconds
         self._append_metrics(record)
         tb = self._tb()
         for site, m in record["sites"].items():

@@ -12,7 +12,8 @@ a checkpoint path is unpickled. So the site accepts only what a fedlabels job ne
   no ``oracle`` (it trains on labels the hospital does not annotate); no ``data`` executor argument (the
   hospital's scenario folder is its own ``FEDLABELS_DATA``);
 * ``client`` / ``server`` options: plain values (the method checks their names and ranges);
-* ``faults``: no fault drill at this site unless the site itself allows drills (a test federation).
+* ``faults``: no fault drill at this site unless the site itself allows drills (a test federation);
+* classes: only those a fedlabels job names (``provision.ALLOWED``: no log streamer, no other executor).
 
 ``check_job`` is the check (no nvflare here); ``JobGate`` runs it as nvflare's site ``app_validator``
 (``local/resources.json``, written by ``fedlabels provision``), so a refused job is never deployed at the
@@ -24,6 +25,7 @@ resources.json lacks the validator.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -135,14 +137,33 @@ def check_job(config, site: str, data: str = "", fault_drills: bool = False) -> 
                                             "--fault-drills enables them for a test federation)")
 
 
+def _classes(node, where: str):
+    """(config path, class path) of every component a job configuration names (``path`` keys)."""
+    if isinstance(node, dict):
+        if isinstance(node.get("path"), str):
+            yield where, node["path"]
+        for key, value in node.items():
+            yield from _classes(value, f"{where}.{key}" if where else key)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _classes(value, f"{where}[{i}]")
+
+
 def check_client_config(doc, site: str, fault_drills: bool = False) -> None:
-    """``check_job`` for every ``SiteExecutor`` in a job's ``config_fed_client.json`` (its parsed JSON)."""
+    """``check_job`` for every ``SiteExecutor`` in a job's ``config_fed_client.json`` (its parsed JSON), and
+    every class it names one of those a fedlabels job uses (``provision.ALLOWED``: no log streamer, no
+    other executor); the kit's class allow list enforces the same when the job starts, this says why first."""
+    from .provision import ALLOWED
+
     if not isinstance(doc, dict):
         raise GateError("config_fed_client.json", "not a JSON object")
+    for where, path in _classes(doc, ""):
+        if not any(path == a or path.startswith(a + ".") for a in ALLOWED):
+            raise GateError(where, f"{path[:80]!r} is not a class a fedlabels job uses ({list(ALLOWED)})")
     for i, entry in enumerate(doc.get("executors") or []):
         executor = entry.get("executor") if isinstance(entry, dict) else None
         if not isinstance(executor, dict) or executor.get("path") != EXECUTOR:
-            continue  # another executor is the job's own code or nvflare's: the class allow list decides
+            continue
         args = executor.get("args") or {}
         if not isinstance(args, dict):
             raise GateError(f"executors[{i}].executor.args", "not a mapping")
@@ -168,10 +189,15 @@ class JobGate(AppValidator):
         path = Path(app_folder) / "config" / "config_fed_client.json"
         if not path.is_file():
             return "", {}  # a server app, or a job form nvflare's own validator already refuses
+        if (Path(app_folder) / "custom").exists():
+            return "", {}  # a job with code: nvflare's BYOC right decides (refused where --no-byoc)
         try:
             check_client_config(json.loads(path.read_text()), self.site, self.fault_drills)
         except (GateError, ValueError) as e:
-            return f"fedlabels gate at {self.site}: {e}", {}
+            message = f"fedlabels gate at {self.site}: {e}"
+            # the site's own log (nvflare returns the message to the server, which records it in the job)
+            logging.getLogger(__name__).error(f"job app {Path(app_folder).name} not deployed: {message}")
+            return message, {}
         return "", {}
 
 
