@@ -919,8 +919,9 @@ def add_parser(sub) -> None:
                    help="scenario folder; with '{seed}' in it, one prepared split per seed "
                         "(e.g. data/blood-seed{seed}); or embedded:cxr|medmnist|lesion (one generated split per seed)")
     s.add_argument("--bundle", help="bundle name under bundles/ or a bundle folder (default: the --protocol's)")
-    s.add_argument("--protocol", help="a paper's preset (fedlabels.presets: isofed, fedmix): input scaling, "
-                                      "augmentation, network, optimizer, batch, epochs and rounds of every row")
+    s.add_argument("--protocol", help="a paper's preset (fedlabels.presets, e.g. isofed, isofed_rscfed, fedmix): "
+                                      "input scaling, augmentation, network, optimizer, batch, epochs, rounds and "
+                                      "method options of every row")
     s.add_argument("--methods", required=True, help="comma-separated registered methods (fedlabels methods)")
     s.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     s.add_argument("--rounds", type=int, help="federated rounds R (required without --protocol)")
