@@ -69,16 +69,16 @@ def _plain(value, field: str, words: bool = True) -> None:
 
 
 def installed_bundle(name) -> Path:
-    from ..bundle import bundles_dir
+    """The folder of the installed bundle ``name`` (the release's, or the hospital's own in FEDLABELS_BUNDLES)."""
+    from ..bundle import available
 
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise GateError("bundle", f"{str(name)[:60]!r} is not a bundle name (a job names an installed bundle, "
                                   "never a path)")
-    path = bundles_dir() / name
-    if not (path / "configs" / "metadata.json").is_file():
-        have = sorted(p.name for p in bundles_dir().glob("*") if (p / "configs" / "metadata.json").is_file())
-        raise GateError("bundle", f"{name!r} is not installed at this site (installed: {have})")
-    return path
+    have = available()
+    if name not in have:
+        raise GateError("bundle", f"{name!r} is not installed at this site (installed: {sorted(have)})")
+    return have[name]
 
 
 def check_job(config, site: str, data: str = "", fault_drills: bool = False) -> None:
