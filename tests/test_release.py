@@ -7,10 +7,11 @@ checkout. To keep it fast that environment sees this one's installed dependencie
 file naming its site-packages (lines of a ``.pth`` file only add folders: this environment's own
 ``.pth`` files, the editable install's path to ``custom/`` among them, are not read), and the wheel
 goes in with ``pip install --no-deps --no-index``. From a folder outside both, a researcher's and a
-clinical engineer's path then runs on the installed package: ``fedlabels synth`` -> ``fedlabels
-bench`` (one round, tiny) -> ``fedlabels train`` (the model to export) -> ``fedlabels export`` ->
-``python -m monai.bundle run`` inference of the exported bundle, and ``fedlabels jobs``. Each step's
-outputs must exist, and no file of the new environment may change (``__pycache__`` aside).
+clinical engineer's path then runs on the installed package: ``fedlabels synth`` -> ``fedlabels bench``
+(one round, tiny) -> ``python -m monai.bundle run`` training of the shipped bundle (the model to export)
+-> ``fedlabels export`` -> ``python -m monai.bundle run`` inference of the exported bundle, and
+``fedlabels jobs``. Each step's outputs must exist, and no file of the new environment may change
+(``__pycache__`` aside).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -35,8 +37,10 @@ VERSION = fedlabels.__version__
 
 
 def _run(cmd, cwd, env=None, timeout=600) -> str:
+    start = time.monotonic()
     proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))} (in {cwd}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    print(f"{time.monotonic() - start:6.1f} s  {' '.join(Path(str(c)).name if i == 0 else str(c) for i, c in enumerate(cmd))}")
     return proc.stdout
 
 
@@ -115,9 +119,13 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
           "--out", "runs/first"], cwd=work, env=env)
     assert "fedavg" in (work / "runs" / "first" / "results.md").read_text()
     assert (work / "runs" / "first" / "results.csv").is_file()
-    _run([fedlabels_cmd, "train", "--bundle", "cxr_resnet18", "--data", "data/cxr", "--site", "site-1", "--epochs", "1",
-          "--out", "runs/site-1"], cwd=work, env=env)
-    ckpt = work / "runs" / "site-1" / "models" / "model.pt"
+    # the model to export: the shipped bundle trained by MONAI itself, as docs/release.md shows (one epoch, one site)
+    shipped = Path(_run([fedlabels_cmd, "bundles", "cxr_resnet18"], cwd=work, env=env).strip())
+    assert shipped == site / "fedlabels" / "bundles" / "cxr_resnet18"
+    _run([python, "-m", "monai.bundle", "run", "--config_file", shipped / "configs" / "train.json", "--bundle_root",
+          shipped, "--dataset_dir", "data/cxr", "--site", "site-1", "--epochs", "1", "--output_dir", "runs/r18",
+          "--ckpt_dir", "runs/r18/models"], cwd=work, env=env)
+    ckpt = work / "runs" / "r18" / "models" / "model.pt"
     assert ckpt.is_file()
     _run([fedlabels_cmd, "export", "--bundle", "cxr_resnet18", "--ckpt", ckpt, "--data", "data/cxr", "--out",
           "deploy/cxr"], cwd=work, env=env)

@@ -280,8 +280,9 @@ def _subcommands(parser: argparse.ArgumentParser) -> set:
 
 
 def _needs_flare(argv) -> bool:
-    """Whether parsing ``argv`` needs the FLARE subcommands: yes unless it names another subcommand."""
-    return not argv or argv[0] not in _subcommands(build_parser(flare=False))
+    """Whether parsing ``argv`` needs the FLARE subcommands: yes unless it names another subcommand (or
+    asks for the version only)."""
+    return not argv or (argv[0] != "--version" and argv[0] not in _subcommands(build_parser(flare=False)))
 
 
 def check_scenario(args) -> None:
