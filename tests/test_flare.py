@@ -873,15 +873,14 @@ SHARED_RUNS = {
 def test_production_jobs_carry_configuration_only_and_name_only_allowed_classes(tmp_path):
     """``job.py --prod`` submits the production form (``build_job(installed=True)``): no custom folder
     (nvflare counts any as custom code, which a --no-byoc hospital refuses), no MONAI expression, and only
-    classes that a provisioned kit's class allow list admits (nvflare's default list + ``provision.ALLOWED``)."""
+    classes that a provisioned kit's class allow list admits (exactly ``gate.ALLOWED``); every client
+    configuration but the upper bounds' (``oracle``) passes the hospital's gate."""
     import dataclasses
 
-    from nvflare.app_common.default_component_policy import DEFAULT_CLASS_ALLOW_LIST
-
+    from fedlabels.flare.gate import ALLOWED, GateError, check_client_config
     from fedlabels.flare.job import export
-    from fedlabels.flare.provision import ALLOWED
 
-    allowed, used = [*DEFAULT_CLASS_ALLOW_LIST, *ALLOWED], set()
+    allowed, used = list(ALLOWED), set()
     specs = [*JOBS.values(), dataclasses.replace(JOBS["fedbn_cxr"], name="fedbn_half", transfer="float16")]
     for spec in specs:
         folder = export(spec, tmp_path, installed=True)
@@ -897,4 +896,9 @@ def test_production_jobs_carry_configuration_only_and_name_only_allowed_classes(
         assert not re.search(r'"[$@%]', configs), spec.name  # no MONAI expression or reference travels with the job
         client = json.loads((folder / "app/config/config_fed_client.json").read_text())
         assert client["executors"][0]["executor"]["args"]["config"] == spec.config().to_json()
+        if spec.config().data.get("oracle"):
+            with pytest.raises(GateError, match="data.oracle"):
+                check_client_config(client, "site-1")
+        else:
+            check_client_config(client, "site-1")
     assert used == set(ALLOWED)  # the kits allow nothing a production job does not name

@@ -256,6 +256,15 @@ def cmd_provision(args):
           "and runs startup/start.sh (docs/deployment.md)")
 
 
+def cmd_kit_policy(args):
+    from .provision import harden_kit
+
+    for path in harden_kit(args.kit, no_byoc=args.no_byoc, own_operation=args.own_operation,
+                           withhold_batchnorm=args.withhold_batchnorm, noise_summary=args.noise_summary,
+                           fault_drills=args.fault_drills):
+        print(f"wrote {path}")
+
+
 def _spec(args) -> JobSpec:
     if args.job not in JOBS:
         raise ValueError(f"unknown job {args.job!r}; jobs are {sorted(JOBS)}")
@@ -503,6 +512,17 @@ def add_parsers(sub):
                    help="absolute folder on the server machine for its job and snapshot stores (the server kit's "
                         "local/resources.json); default nvflare's /tmp/nvflare, which a reboot may empty")
     s.set_defaults(fn=cmd_provision)
+
+    s = sub.add_parser("kit-policy", help="add fedlabels' site policy to a startup kit nvflare made (distributed "
+                                          "provisioning: the hospital's private key never leaves it)")
+    s.add_argument("kit", help="the startup kit folder (holding startup/ and local/)")
+    for flag, what in (("--no-byoc", "refuse every job carrying custom code"),
+                       ("--own-operation", "only the hospital's own admins operate it or run shell commands"),
+                       ("--withhold-batchnorm", "batch norm never leaves, whatever the job says"),
+                       ("--noise-summary", "noise the label summary whatever the job says"),
+                       ("--fault-drills", "accept fault drills (a test federation only)")):
+        s.add_argument(flag, action="store_true", help=f"a hospital's kit: {what} (as fedlabels provision's option)")
+    s.set_defaults(fn=cmd_kit_policy)
 
     s = sub.add_parser("report", help="test-set per-class table of finished runs' global models")
     s.add_argument("runs", nargs="+", help="NAME=RUN_DIR (a server run folder: WS/server/simulate_job)")

@@ -13,9 +13,10 @@ a checkpoint path is unpickled. So the site accepts only what a fedlabels job ne
   hospital's scenario folder is its own ``FEDLABELS_DATA``);
 * ``client`` / ``server`` options: plain values (the method checks their names and ranges);
 * ``faults``: no fault drill at this site unless the site itself allows drills (a test federation);
-* classes: only those a fedlabels job names (``provision.ALLOWED``: no log streamer, no other executor).
+* classes: only those a fedlabels job names (``ALLOWED``: no log streamer, no other executor).
 
-``check_job`` is the check (no nvflare here); ``JobGate`` runs it as nvflare's site ``app_validator``
+``check_job`` is the check (no nvflare here; nothing that imports torch or MONAI either, since nvflare runs the
+validator in the site's parent process, which answers a deployment within seconds); ``JobGate`` runs it as nvflare's site ``app_validator``
 (``local/resources.json``, written by ``fedlabels provision``), so a refused job is never deployed at the
 site: the reason, naming the field, is in the site's log and in the job's deployment record the admin
 reads (``nvflare job meta``). ``SiteExecutor`` runs the same check again before round 0, for a kit whose
@@ -32,6 +33,15 @@ from pathlib import Path
 from nvflare.apis.app_validation import AppValidator
 
 EXECUTOR = "fedlabels.flare.executor.SiteExecutor"
+# Every class a production job's configuration may name, and nothing else: each kit's class allow list
+# (fedlabels.flare.provision replaces nvflare's default list, about 90 classes, with it) and this gate. Our
+# controller, site executor and audit filter, the networks of our bundles (the server's persistor builds one),
+# nvflare's PyTorch persistor and model locator, the filter that keeps a site's batch norm (FedBN) and the
+# quantization filters (half-precision transfer). Prefixes, as nvflare matches them.
+ALLOWED = ("fedlabels.flare.controller.FedLabelsController", EXECUTOR, "fedlabels.flare.sent.SentRecord",
+           "fedlabels.nets", "nvflare.app_opt.pt.file_model_persistor.PTFileModelPersistor",
+           "nvflare.app_opt.pt.file_model_locator.PTFileModelLocator", "nvflare.app_opt.pt.quantization",
+           "nvflare.app_common.filters.exclude_vars.ExcludeVars")
 # The networks' own arguments a job may override (fedlabels.nets; tests/test_gate.py keeps this list equal
 # to the constructors' signatures less init_ckpt, which names a file the site would unpickle).
 NETWORK_KEYS = ("spatial_dims", "in_channels", "out_channels", "hidden", "dropout", "widen_factor", "features",
@@ -151,10 +161,8 @@ def _classes(node, where: str):
 
 def check_client_config(doc, site: str, fault_drills: bool = False) -> None:
     """``check_job`` for every ``SiteExecutor`` in a job's ``config_fed_client.json`` (its parsed JSON), and
-    every class it names one of those a fedlabels job uses (``provision.ALLOWED``: no log streamer, no
-    other executor); the kit's class allow list enforces the same when the job starts, this says why first."""
-    from .provision import ALLOWED
-
+    every class it names one of those a fedlabels job uses (``ALLOWED``: no log streamer, no other
+    executor); the kit's class allow list enforces the same when the job starts, this says why first."""
     if not isinstance(doc, dict):
         raise GateError("config_fed_client.json", "not a JSON object")
     for where, path in _classes(doc, ""):

@@ -39,19 +39,10 @@ from nvflare.apis.utils.format_check import name_check
 from nvflare.lighter.spec import Builder
 
 from ..profile import write_atomic
+from .gate import ALLOWED
 from .withhold import PATH as WITHHOLD_BN
 
 PINNED = ("fedlabels", "nvflare", "monai", "torch")
-# Every class a production job's configuration may name, and nothing else (nvflare's default list, about 90
-# classes, is replaced: least privilege): our controller, site executor and audit filter, the networks of our
-# bundles (the server's persistor builds one), nvflare's PyTorch persistor and model locator, the filter that
-# keeps a site's batch norm (FedBN) and the quantization filters (half-precision transfer). Prefixes, as
-# nvflare matches them.
-ALLOWED = ("fedlabels.flare.controller.FedLabelsController", "fedlabels.flare.executor.SiteExecutor",
-           "fedlabels.flare.sent.SentRecord", "fedlabels.nets",
-           "nvflare.app_opt.pt.file_model_persistor.PTFileModelPersistor",
-           "nvflare.app_opt.pt.file_model_locator.PTFileModelLocator", "nvflare.app_opt.pt.quantization",
-           "nvflare.app_common.filters.exclude_vars.ExcludeVars")
 GATE = "fedlabels.flare.gate.JobGate"
 REQUIREMENTS = "requirements.txt"
 
@@ -276,16 +267,54 @@ def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int
     kits = {p["name"]: prod / p["name"] for p in spec["participants"]}
     for p in spec["participants"]:
         if p["type"] == "server":
-            allow_fedlabels(kits[p["name"]])
+            harden_kit(kits[p["name"]])
             if storage:
                 server_storage(kits[p["name"]], storage)
         if p["type"] == "client":
-            allow_fedlabels(kits[p["name"]], site=p["name"], fault_drills=p["name"] in fault_drills)
-            site_policy(kits[p["name"]], withhold_batchnorm=p["name"] in withhold_batchnorm,
-                        noise_summary=SITE_NOISE if p["name"] in noise_summary else None)
-    for site in sorted(set(no_byoc) | set(own_operation)):
-        local = kits[site] / "local"
-        default = json.loads((local / "authorization.json.default").read_text())
-        policy = site_authorization(default, no_byoc=site in no_byoc, own_operation=site in own_operation)
-        write_atomic(local / "authorization.json", json.dumps(policy, indent=2).encode())
+            site = p["name"]
+            harden_kit(kits[site], no_byoc=site in no_byoc, own_operation=site in own_operation,
+                       withhold_batchnorm=site in withhold_batchnorm, noise_summary=site in noise_summary,
+                       fault_drills=site in fault_drills)
     return kits
+
+
+def kit_site(kit: Path) -> str | None:
+    """The hospital a startup kit belongs to (its ``startup/fed_client.json``), or None for a server kit."""
+    client = Path(kit) / "startup" / "fed_client.json"
+    if client.is_file():
+        return json.loads(client.read_text())["client"]["fqsn"]
+    if (Path(kit) / "startup" / "fed_server.json").is_file():
+        return None
+    raise ProvisionError(f"{kit}: not an nvflare startup kit (no startup/fed_client.json or fed_server.json)")
+
+
+def harden_kit(kit, *, no_byoc: bool = False, own_operation: bool = False, withhold_batchnorm: bool = False,
+               noise_summary: bool = False, fault_drills: bool = False) -> list:
+    """What fedlabels adds to an nvflare startup kit, whoever made it (``fedlabels provision``, or nvflare's
+    distributed provisioning, where a hospital's private key never leaves it: ``fedlabels kit-policy``).
+    Every kit: the classes a fedlabels job names and no others (``allow_fedlabels``) and the pinned packages
+    (``startup/requirements.txt``, when the kit has none). A hospital's kit: its job gate and no log streaming,
+    its own privacy policy (``site_policy``), and with ``no_byoc`` / ``own_operation`` its authorization
+    policy (``site_authorization``). The hospital-only options on a server kit are an error. Returns the
+    files written."""
+    kit = Path(kit)
+    site = kit_site(kit)
+    if site is None and any((no_byoc, own_operation, withhold_batchnorm, noise_summary, fault_drills)):
+        raise ProvisionError(f"{kit}: a server kit; --no-byoc, --own-operation, --withhold-batchnorm, "
+                             "--noise-summary and --fault-drills are a hospital's")
+    written = [allow_fedlabels(kit, site=site, fault_drills=fault_drills)]
+    pins = kit / "startup" / REQUIREMENTS
+    if not pins.exists():
+        write_atomic(pins, requirements().encode())
+        written.append(pins)
+    if site is None:
+        return written
+    written.append(site_policy(kit, withhold_batchnorm=withhold_batchnorm,
+                               noise_summary=SITE_NOISE if noise_summary else None))
+    if no_byoc or own_operation:
+        local = kit / "local"
+        default = json.loads((local / "authorization.json.default").read_text())
+        policy = site_authorization(default, no_byoc=no_byoc, own_operation=own_operation)
+        write_atomic(local / "authorization.json", json.dumps(policy, indent=2).encode())
+        written.append(local / "authorization.json")
+    return written
