@@ -373,14 +373,25 @@ def _yes(flag) -> str:
     return "not measured" if flag is None else "pass" if flag else "FAIL"
 
 
+def one_class_everywhere(cs: list, rnd) -> bool:
+    """Every run of both sides predicts a single class at ``rnd``: accuracy is then the test split's share of
+    that class on every side, and agreeing on it says nothing of the training."""
+    runs = [r["metrics"].get(str(rnd), {}) for c in cs for r in _project_runs(c)]
+    runs += [c["reference_run"]["metrics"].get(str(rnd), {}) for c in cs]
+    return all(r.get("classes_predicted") == 1 for r in runs)
+
+
 def _criteria_cells(cs: list, rnd, metric: str, margin: float) -> tuple:
-    """The criteria columns of one round: (cells text, verdict, a, b)."""
+    """The criteria columns of one round: (cells text, a, b)."""
     d, s = per_split(cs, rnd, metric)
     a, b = criterion_a(d, margin), criterion_b(d, s)
+    said = verdict(a, b)
+    if metric == "accuracy" and one_class_everywhere(cs, rnd):
+        said = "uninformative: every run predicts one class"
     interval = "—" if a["low"] is None else f"{_pts(a['low'], True)} to {_pts(a['high'], True)}"
     spread = f" ± {100 * float(np.std(d, ddof=1)):.1f}" if len(d) > 1 else ""
     text = (f"{_pts(a['mean'], True)}{spread} | {interval} | {_yes(a['pass'])} | {_pts(b['max_diff'])} "
-            f"| {_pts(b['max_seed'])} | {_yes(b['pass'])} | {verdict(a, b)}")
+            f"| {_pts(b['max_seed'])} | {_yes(b['pass'])} | {said}")
     return text, a, b
 
 
@@ -431,14 +442,22 @@ def _fedavg_section(label, scaling, cs, tolerance) -> list:
              + ", ".join(f"{c['load'][0]:.1f}-{c['load'][1]:.1f}" if c.get("load") else "not recorded" for c in cs)
              + f", on {os.cpu_count()} cores (both sides of a cell ran one after the other, under the same load)."
              + note, ""]
-    if not diagnostic:
+    if not diagnostic and all("projects" in c for c in cs):
+        lines += [f"The project ran twice per split (training seeds s and s + {SEED_OFFSET}); its column is the mean "
+                  "of the two runs, and criterion (b) compares with their difference.", ""]
+    elif not diagnostic:
         lines += ["The project ran one training seed per split here, so its seed-to-seed spread and criterion (b) "
                   "are not measured: equivalence is not shown whatever (a) says.", ""]
     lines += [f"| round | project {metric} | reference {metric} | " + CRITERIA_HEAD.format(m=f"{100 * tol:.0f}")
               + (" | project AUROC | reference AUROC | classes (project / reference) |" if metric == "accuracy" else " |"),
               "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if metric == "accuracy" else "")]
     for r in rounds:
-        p = [c["project"]["metrics"].get(str(r), {}) for c in cs]
+        p = [c["project"]["metrics"].get(str(r), c["project"]["metrics"].get(r, {})) for c in cs]
+        if all("projects" in c for c in cs):  # the mean of the two training seeds, as the criterion pairs it
+            p = [{k: float(np.mean([run["metrics"][str(r)][k] for run in c["projects"]]))
+                  for k in ("accuracy", "auroc", "dice") if k in c["projects"][0]["metrics"][str(r)]}
+                 | {"classes_predicted": "/".join(str(run["metrics"][str(r)].get("classes_predicted"))
+                                                  for run in c["projects"])} for c in cs]
         q = [c["reference_run"]["metrics"].get(str(r), {}) for c in cs]
         if diagnostic:
             d = [x.get(metric) - y.get(metric) for x, y in zip(p, q)]
@@ -568,6 +587,8 @@ def main(argv=None) -> None:
                                    f"(benchmarks/reference/semisup.py): {', '.join(METHOD_ROWS)}; each split runs the "
                                    f"project with training seeds s and s + {SEED_OFFSET} and the reference once, "
                                    "with the reference's settings (semisup.CHECK)")
+    ap.add_argument("--two-seeds", action="store_true",
+                    help=f"run the project twice per split (training seeds s and s + {SEED_OFFSET}): criterion (b)")
     ap.add_argument("--table-only", action="store_true", help="rewrite reference_check.md from the finished cells")
     ap.add_argument("--out", default="benchmarks/results/reference_check")
     args = ap.parse_args(argv)
@@ -603,6 +624,12 @@ def main(argv=None) -> None:
         result = compare(args.protocol, data, seed, args.rounds, eval_rounds, out / "work" / tag,
                          reference_scaling=args.reference_scaling, image_size=args.image_size, widen=args.widen,
                          config=config, log=lambda m: print(m, flush=True))
+        if args.two_seeds:  # the project again on the same split with another training seed: its own spread
+            again = project_cell(args.protocol, data, seed + SEED_OFFSET, args.rounds, eval_rounds,
+                                 out / "work" / tag / "second-seed", config=config, image_size=args.image_size,
+                                 widen=args.widen, log=lambda m: print(m, flush=True))
+            result["projects"] = [{**run, "metrics": {str(k): v for k, v in run["metrics"].items()},
+                                   "train_seed": s} for run, s in ((result["project"], seed), (again, seed + SEED_OFFSET))]
         result["label"] = args.label
         result["project_config"] = config  # settings the project side changed from the preset (None: none)
         result["load"] = (load_before, os.getloadavg()[0])

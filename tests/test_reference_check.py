@@ -198,3 +198,15 @@ def test_the_project_rows_get_the_references_settings():
         rc.project_settings("isofed", "isofed", {**s, "max_grad_norm": 5.0})
     with pytest.raises(ValueError, match="momentum"):
         rc.project_settings("isofed", "isofed", {**s, "momentum": 0.5})
+
+
+def test_one_class_everywhere_reads_every_run_of_both_sides():
+    import reference_check as rc
+
+    def cell(a, b, ref):
+        return {"projects": [{"metrics": {"5": {"classes_predicted": a}}}, {"metrics": {"5": {"classes_predicted": b}}}],
+                "reference_run": {"metrics": {"5": {"classes_predicted": ref}}}}
+
+    assert rc.one_class_everywhere([cell(1, 1, 1), cell(1, 1, 1)], 5)
+    assert not rc.one_class_everywhere([cell(1, 1, 1), cell(1, 2, 1)], 5)
+    assert not rc.one_class_everywhere([cell(1, 1, 2)], 5)
