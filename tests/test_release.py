@@ -11,7 +11,9 @@ clinical engineer's path then runs on the installed package: ``fedlabels synth``
 (one round, tiny) -> ``python -m monai.bundle run`` training of the shipped bundle (the model to export)
 -> ``fedlabels export`` -> ``python -m monai.bundle run`` inference of the exported bundle, and
 ``fedlabels jobs``. Each step's outputs must exist, and no file of the new environment may change
-(``__pycache__`` aside).
+(``__pycache__`` aside). That test carries the ``release`` marker (``make test``, not ``make test-fast``);
+the bundle lookup (``FEDLABELS_BUNDLES`` before the shipped bundles) and the wheel check that
+provisioning uses are checked here in the fast lane.
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ from pathlib import Path
 import pytest
 
 import fedlabels
-
-pytestmark = pytest.mark.release
+from fedlabels import bundle, release
 
 REPO = Path(__file__).resolve().parents[1]
 VERSION = fedlabels.__version__
@@ -66,6 +67,59 @@ def _fresh_env(root: Path) -> tuple:
     return python, site
 
 
+def test_fedlabels_bundles_adds_and_overrides_bundles_by_name(tmp_path, monkeypatch):
+    monkeypatch.delenv(bundle.ENV, raising=False)
+    # an editable install (this checkout): the shipped bundles are the checkout's
+    assert bundle.bundles_dir() == REPO / "bundles"
+    assert bundle.bundle_path("cxr_resnet18") == REPO / "bundles" / "cxr_resnet18"
+    shipped = bundle.available()
+    assert set(shipped) >= {"cxr_densenet121", "cxr_resnet18", "medmnist_cnn", "lesion_unet"}
+    mine, more = tmp_path / "mine", tmp_path / "more"
+    shutil.copytree(REPO / "bundles" / "cxr_resnet18", mine / "cxr_resnet18")  # an edited copy of a shipped one
+    shutil.copytree(REPO / "bundles" / "medmnist_cnn", more / "my_cnn")  # a bundle of one's own
+    shutil.copytree(REPO / "bundles" / "lesion_unet", more / "cxr_resnet18")  # behind mine/ in the list: unused
+    (more / "notes").mkdir()  # not a bundle: no configs/metadata.json
+    monkeypatch.setenv(bundle.ENV, os.pathsep.join([str(mine), str(tmp_path / "missing"), str(more)]))
+    assert bundle.bundle_path("cxr_resnet18") == mine / "cxr_resnet18"
+    assert bundle.bundle_path("my_cnn") == more / "my_cnn"
+    assert bundle.bundle_path("lesion_unet") == REPO / "bundles" / "lesion_unet"
+    assert bundle.available() == {**shipped, "cxr_resnet18": mine / "cxr_resnet18", "my_cnn": more / "my_cnn"}
+    assert bundle.read("cxr_resnet18")["bundle_root"] == str(mine / "cxr_resnet18")
+    with pytest.raises(FileNotFoundError, match=r"nope: not a bundle folder .*bundles: \['cxr_densenet121'"):
+        bundle.bundle_path("nope")
+
+
+def _wheel(path: Path, name="fedlabels", version=VERSION) -> Path:
+    """A wheel archive holding only its METADATA (what ``check_wheel`` reads)."""
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{path.name.split('-')[0]}-{path.name.split('-')[1]}.dist-info/METADATA",
+                   f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return path
+
+
+def test_check_wheel_accepts_only_the_wheel_of_the_running_version(tmp_path):
+    good = _wheel(tmp_path / release.wheel_name())
+    assert release.check_wheel(good) == release.sha256(good)
+    other = _wheel(tmp_path / release.wheel_name("0.0.1"), version="0.0.1")
+    with pytest.raises(ValueError, match=f"fedlabels 0.0.1, but this environment runs fedlabels {VERSION}"):
+        release.check_wheel(other)
+    assert release.check_wheel(other, version="0.0.1") == release.sha256(other)
+    (tmp_path / "renamed").mkdir()
+    lying = _wheel(tmp_path / "renamed" / release.wheel_name(), version="0.0.1")
+    with pytest.raises(ValueError, match="its METADATA says fedlabels 0.0.1, its name fedlabels"):
+        release.check_wheel(lying)
+    with pytest.raises(ValueError, match="not a fedlabels wheel"):
+        release.check_wheel(_wheel(tmp_path / f"monai-{VERSION}-py3-none-any.whl"))
+    with pytest.raises(ValueError, match="no such file"):
+        release.check_wheel(tmp_path / "dist" / release.wheel_name())
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / release.wheel_name()).write_text("not a zip")
+    with pytest.raises(ValueError, match="not a readable wheel"):
+        release.check_wheel(tmp_path / "broken" / release.wheel_name())
+    assert release.installed_sha256() is None  # this checkout's editable install: no wheel behind it
+
+
+@pytest.mark.release
 def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     assert REPO not in tmp_path.parents, "the test's folders must lie outside the checkout"
     dist = tmp_path / "dist"
@@ -92,6 +146,7 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     env_dir = tmp_path / "env"
     python, site = _fresh_env(env_dir)
     _run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "-q", wheel], cwd=tmp_path)
+    digest = release.check_wheel(wheel)
     before = _files(env_dir)
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "FEDLABELS_BUNDLES", "FEDLABELS_DATA")}
@@ -103,10 +158,12 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     work.mkdir()
 
     # the installed package, not the checkout, with its own bundles
-    where = _run([python, "-c", "import fedlabels, fedlabels.bundle as b; print(fedlabels.__file__); "
-                                "print(fedlabels.__version__); print(b.bundles_dir())"], cwd=work, env=env).split()
+    where = _run([python, "-c", "import fedlabels, fedlabels.bundle as b, fedlabels.release as r; "
+                                "print(fedlabels.__file__, fedlabels.__version__, b.bundles_dir(), r.installed_sha256())"],
+                 cwd=work, env=env).split()
     assert Path(where[0]).parent == site / "fedlabels" and where[1] == VERSION
     assert Path(where[2]) == (site / "fedlabels" / "bundles").resolve()
+    assert where[3] == digest  # the file it came from, as a site reports it
     assert _run([fedlabels_cmd, "--version"], cwd=work, env=env).strip() == f"fedlabels {VERSION}"
     listed = _run([fedlabels_cmd, "bundles"], cwd=work, env=env)
     assert str(site / "fedlabels" / "bundles" / "cxr_resnet18") in listed and str(REPO) not in listed
