@@ -331,7 +331,8 @@ def test_flare_and_in_process_engine_give_the_same_weights(name, job_runs, data)
 
 
 FAULTS = ["site-2:keys:0", "site-3:no_n:0", "site-4:n_text:0", "site-2:nan:1", "site-3:shape:1", "site-3:metric:1",
-          "site-4:n_huge:1", "site-2:dtype:2", "site-3:extras:2", "site-4:stall:2", "site-4:crash:3"]
+          "site-4:n_huge:1", "site-2:dtype:2", "site-3:extras:2", "site-4:stall:2", "site-4:crash:3",
+          "site-2:norm:3", "site-3:metric_huge:3"]
 # site-4 stalls in round 2 for site_timeout + 3 s: the server leaves it out after site_timeout (every
 # second of it adds to the run). A round's task here takes 4 s on an idle 2-core machine, 10 s beside
 # other tests, and 2-3 times that on a slower 2-core machine: 60 s leaves a healthy site in. The handshake,
@@ -350,17 +351,20 @@ def test_bad_updates_and_crashes_are_dropped_and_rounds_complete(sim_run, data):
     recs = rounds(run_dir)
     assert [r["round"] for r in recs] == [0, 1, 2, 3] and all(r["aggregated"] for r in recs)
     dropped = [sorted(r["dropped"]) for r in recs]
-    assert dropped == [["site-2", "site-3", "site-4"]] * 3 + [["site-4"]], dropped
+    assert dropped == [["site-2", "site-3", "site-4"]] * 3 + [["site-2", "site-4"]], dropped
     assert "no case count" in recs[0]["dropped"]["site-3"]  # never weighted 1
     assert "case count 'many' is not a positive integer" in recs[0]["dropped"]["site-4"]
     assert "exceeds the" in recs[1]["dropped"]["site-4"]
     assert "dtype of" in recs[2]["dropped"]["site-2"] and "float64" in recs[2]["dropped"]["site-2"]
     assert "extras are a list" in recs[2]["dropped"]["site-3"]
     assert "no result" in recs[2]["dropped"]["site-4"]  # stalled past the timeout
-    # on this data only site-3's validation cases give an AUROC: its infinite score in round 1 is not
-    # scored (it would pin the best model for good), so round 1 is no best-model candidate
-    assert [r["scored_by"] for r in recs] == [["site-3"], [], ["site-3"], ["site-3"]], recs
-    assert recs[1]["mean_val_auroc"] is None
+    norm = re.search(r"weight norm ([\d.]+) x the received model's", recs[3]["dropped"]["site-2"])
+    assert norm and 90 < float(norm.group(1)) < 110, recs[3]["dropped"]  # its trained weights scaled 100 times
+    # on this data only site-3's validation cases give an AUROC: its infinite score in round 1 and its
+    # AUROC of 1e9 in round 3 are not scored (either would pin the best model for good), so neither round
+    # is a best-model candidate
+    assert [r["scored_by"] for r in recs] == [["site-3"], [], ["site-3"], []], recs
+    assert recs[1]["mean_val_auroc"] is None and recs[3]["mean_val_auroc"] is None
     # a dropped site still reports its metrics (its score of the received model counts for the
     # best model, so the score averages the same sites every round; tests/test_engine.py)
     assert sorted(recs[0]["sites"]) == ["site-1", "site-2", "site-3", "site-4"]
@@ -369,6 +373,7 @@ def test_bad_updates_and_crashes_are_dropped_and_rounds_complete(sim_run, data):
     for line in ("round 0 site-2: update dropped: unknown keys", "round 0 site-3: update dropped: no case count",
                  "round 1 site-2: update dropped: non-finite values", "round 1 site-3: update dropped: shape of",
                  "round 1 site-3: val_auroc=inf is not finite: not scored",
+                 "round 3 site-3: val_auroc=1000000000.0 is not in [0, 1]: not scored",
                  f"task train: ['site-4'] did not answer within {FAULT_TIMEOUT}s (site_timeout)",
                  "fault drill: site-4 crashes in round 3"):
         assert line in text, line
@@ -377,6 +382,23 @@ def test_bad_updates_and_crashes_are_dropped_and_rounds_complete(sim_run, data):
     last = torch.load(run_dir / "app_server/FL_global_model.pt", weights_only=False)["model"]
     assert all(np.isfinite(np.asarray(v, dtype=np.float64)).all() for v in last.values())
     assert all(np.asarray(v).dtype != np.float64 for v in last.values())
+
+
+@pytest.mark.simulator
+def test_sites_whose_declarations_fail_the_screen_are_left_out_and_the_job_finishes(sim_run, data):
+    """Before round 0, site-2 declares a privacy report whose noise would widen its case bound by 2.4e13
+    cases and site-3 declares 10^8 cases: both are left out of the run with their reason, and site-1 trains
+    and is validated alone (min_sites 1)."""
+    run_dir, log = sim_run(job("fedavg_cxr", sites=3, rounds=1,
+                               faults=["site-2:summary_noise:0", "site-3:summary_cases:0"]), data)
+    text = log.read_text()
+    assert ("site-2 is left out of this run: its label summary: field 'privacy.noise_multiplier': "
+            "1000000000000.0 is not in (0, 20.0]") in text
+    assert "site-3 is left out of this run: its label summary: field 'cases': 100000000 is more than" in text
+    (rec,) = rounds(run_dir)
+    assert sorted(rec["sites"]) == ["site-1"] and rec["aggregated"]
+    assert sorted(json.loads((run_dir / "cross_site_eval.json").read_text())) == ["site-1"]
+    assert json.loads((run_dir / "progress.json").read_text())["next_round"] == 1
 
 
 @pytest.mark.simulator

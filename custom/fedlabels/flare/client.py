@@ -62,7 +62,7 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
-METRIC_FAULTS = {"metric": float("inf"), "metric_nan": float("nan"), "metric_text": "high"}
+METRIC_FAULTS = {"metric": float("inf"), "metric_nan": float("nan"), "metric_text": "high", "metric_huge": 1e9}
 
 
 def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict, metrics: dict | None = None,
@@ -72,9 +72,10 @@ def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict, metrics
     hospital that goes silent mid-round; the drill ends when its process is killed). ``stall``: it
     answers only after the server's ``timeout`` has passed (a site far slower than the others, or
     hung and back later): the server has left it out of the round by then. The hostile kinds
-    (``n_text``, ``n_huge``, ``dtype``, ``strings``, ``extras``, ``mask``) send what a broken or hostile site
-    could: the server drops each with its reason. ``metric`` (inf), ``metric_nan`` and ``metric_text`` replace
-    its validation scores: the update still counts, the score does not."""
+    (``n_text``, ``n_huge``, ``dtype``, ``strings``, ``extras``, ``mask``, ``norm``, ``loss``, ``prototypes``) send
+    what a broken or hostile site could: the server drops each with its reason. ``metric`` (inf),
+    ``metric_nan``, ``metric_text`` and ``metric_huge`` (1e9) replace its validation scores: the update still
+    counts, the score does not. The label-summary kinds are ``inject_summary_fault``'s."""
     metrics = dict(metrics or {})
     for fault in faults:
         where, kind, when = fault.split(":")
@@ -113,11 +114,36 @@ def inject_fault(faults, site: str, rnd: int, weights: dict, meta: dict, metrics
             meta[EXTRAS] = ["not", "a", "mapping"]
         elif kind == "mask":  # per-class labeled mask (Surgical, FedPSL read it) that is no number
             meta[LABELED_MASK] = ["yes"] * len(meta.get(LABELED_MASK) or [0])
+        elif kind == "norm":  # the right keys, shapes and dtypes, every float weight scaled 100 times
+            weights = {k: (v * 100).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in weights.items()}
+        elif kind == "loss":  # a training loss far outside a Dice loss's range (FedMix weighs by it)
+            metrics["train_loss"] = 1e6
+        elif kind == "prototypes":  # FedMLP's prototypes one feature longer than the network's
+            extras = meta.get(EXTRAS) if isinstance(meta.get(EXTRAS), dict) else {}
+            protos = extras.get("prototypes") or {}
+            meta[EXTRAS] = {**extras, "prototypes": {c: [list(row) + [0.0] for row in p] for c, p in protos.items()}}
         elif kind in METRIC_FAULTS:
             metrics = {k: (METRIC_FAULTS[kind] if k.startswith("val_") else v) for k, v in metrics.items()}
-        else:
+        elif kind not in SUMMARY_FAULTS:
             raise ValueError(f"unknown fault kind {kind!r}")
     return weights, meta, metrics
+
+
+# What a broken or hostile site could declare before round 0 (its label summary; the server leaves it out).
+SUMMARY_FAULTS = {"summary_cases": lambda s: {**s, "cases": 10**8},
+                  "summary_noise": lambda s: {**s, "privacy": {"noise_multiplier": 1e12, "clip": 4.0, "epsilon": 1.0,
+                                                               "delta": 1e-5, "releases": 1}}}
+
+
+def inject_summary_fault(faults, site: str, summary: dict, say=say) -> dict:
+    """The handshake's drills: ``summary_cases`` declares 10^8 cases, ``summary_noise`` a privacy report
+    whose noise would widen its case bound by 2.4e13 cases (the round in ``SITE:KIND:ROUND`` is not read)."""
+    for fault in faults:
+        where, kind, _ = fault.split(":")
+        if where == site and kind in SUMMARY_FAULTS:
+            say(f"fault drill: {site} declares a hostile label summary ({kind})")
+            summary = SUMMARY_FAULTS[kind](summary)
+    return summary
 
 
 EMBEDDED = "embedded"  # FEDLABELS_DATA=embedded: the embedded synthetic scenario, asked for by name
@@ -389,7 +415,8 @@ class SiteSession:
                 if got is not None:
                     self.say(f"[{site}] continued its state of this run (round {got}) from {folder}")
         if task == "train" and meta.get(PHASE) == "summary":
-            return FLModel(params={}, meta={SUMMARY: setup.summary(), VERSIONS: versions()})
+            summary = inject_summary_fault(cfg.faults, site, setup.summary(), self.say)
+            return FLModel(params={}, meta={SUMMARY: summary, VERSIONS: versions()})
         if task == "train":
             update = train_task(client, setup, model.params, rnd, meta.get(EXTRAS) or {})
             if folder is not None:
