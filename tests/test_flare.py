@@ -384,6 +384,42 @@ def test_bad_updates_and_crashes_are_dropped_and_rounds_complete(sim_run, data):
     assert all(np.asarray(v).dtype != np.float64 for v in last.values())
 
 
+def test_the_loss_and_prototype_drills_are_dropped_by_the_rules_that_read_them():
+    """What the ``loss`` and ``prototypes`` drills send, through the controller's reading of a reply and the
+    real FedMix and FedMLP server rules: each hostile site is dropped or its prototype refused, with the
+    reason, and the honest site's update is aggregated."""
+    from nvflare.app_common.abstract.fl_model import FLModel
+
+    from fedlabels.engine import RoundEngine
+    from fedlabels.flare.client import inject_fault
+    from fedlabels.flare.controller import to_update
+    from fedlabels.methods.fedmix import AdaptiveAggServer
+    from fedlabels.methods.fedmlp import FedMLPServer
+
+    glob = {"head.weight": np.ones((2, 3), np.float32)}
+
+    def reply(site, faults, metrics, extras=None):
+        weights, meta, metrics = inject_fault(faults, site, 0, dict(glob), {"n": 4, "extras": extras or {}},
+                                              metrics, say=lambda m: None)
+        return to_update(FLModel(params=weights, metrics=metrics, meta={"client_name": site, **meta}))
+
+    fedmix = RoundEngine(AdaptiveAggServer(), lambda *a: [reply("a", [], {"train_loss": 0.4}),
+                                                          reply("b", ["b:loss:0"], {"train_loss": 0.4})],
+                         key_metric="val_dice")
+    _, record, _ = fedmix.run_round(0, glob, ["a", "b"])
+    assert "train_loss='1000000.0' is not a Dice loss in [0, 1]" in record["dropped"]["b"]
+    assert record["aggregated"] and "a" not in record["dropped"]
+    server = FedMLPServer(warmup_rounds=1)
+    server.setup({"a": {"labeled_mask": [1, 0], "cases": 4}, "b": {"labeled_mask": [0, 1], "cases": 4}})
+    proto = {"prototypes": {"1": [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]}}
+    fedmlp = RoundEngine(server, lambda *a: [reply("b", ["b:prototypes:0"], {}, proto),
+                                             reply("a", [], {}, {"prototypes": {"0": [[0.0, 1.0, 0.0]] * 2}})],
+                         key_metric="val_auroc")
+    _, record, _ = fedmlp.run_round(0, glob, ["b", "a"])
+    assert any("b: prototype for class '1' dropped: shape (2, 4), expected (2, 3)" in n for n in record["notes"])
+    assert sorted(server.prototypes) == [0]
+
+
 @pytest.mark.simulator
 def test_sites_whose_declarations_fail_the_screen_are_left_out_and_the_job_finishes(sim_run, data):
     """Before round 0, site-2 declares a privacy report whose noise would widen its case bound by 2.4e13
