@@ -119,6 +119,19 @@ def test_check_wheel_accepts_only_the_wheel_of_the_running_version(tmp_path):
     assert release.installed_sha256() is None  # this checkout's editable install: no wheel behind it
 
 
+def test_provision_refuses_a_wheel_of_another_version_before_writing_a_kit(tmp_path):
+    from fedlabels import cli
+
+    other = _wheel(tmp_path / release.wheel_name("0.0.1"), version="0.0.1")
+    with pytest.raises(ValueError, match=r"--wheel .*fedlabels 0.0.1, but this environment runs fedlabels"):
+        from fedlabels.flare.provision import provision
+
+        provision(tmp_path / "prov", "p", "localhost", ["hospital-a"], "admin@example.org", wheel=other)
+    assert not (tmp_path / "prov").exists()
+    assert cli.main(["provision", "--project", "p", "--server", "localhost", "--sites", "hospital-a", "--admin",
+                     "admin@example.org", "--wheel", str(other), "--out", str(tmp_path / "prov")]) != 0
+
+
 @pytest.mark.release
 def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     assert REPO not in tmp_path.parents, "the test's folders must lie outside the checkout"
@@ -143,10 +156,24 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
                       "custom/fedlabels/__init__.py"} <= in_sdist
     assert f"## {VERSION}" in (REPO / "CHANGELOG.md").read_text()
 
+    # the provisioning machine hands the wheel to every kit; the hospital installs the kit's copy (deployment.md)
+    out = _run([sys.executable, "-m", "fedlabels.cli", "provision", "--project", "rel", "--server", "localhost",
+                "--sites", "hospital-a", "--admin", "admin@example.org", "--wheel", wheel, "--out", tmp_path / "prov"],
+               cwd=tmp_path)
+    kit = tmp_path / "prov" / "rel" / "prod_00" / "hospital-a"
+    digest = release.check_wheel(wheel)
+    assert (kit / "startup" / "fedlabels.sha256").read_text() == f"{digest}  {wheel.name}\n"
+    assert (kit / "startup" / "requirements.txt").read_text().splitlines()[:2] == ["--find-links .",
+                                                                                  f"fedlabels=={VERSION}"]
     env_dir = tmp_path / "env"
     python, site = _fresh_env(env_dir)
-    _run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "-q", wheel], cwd=tmp_path)
-    digest = release.check_wheel(wheel)
+    _run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "-q",
+          kit / "startup" / wheel.name], cwd=tmp_path)
+    # the rest of the kit's pins: here already in the environment (its .pth), so no index is asked
+    _run([python, "-m", "pip", "install", "--no-index", "-q", "-r", kit / "startup" / "requirements.txt"],
+         cwd=tmp_path)
+    if shutil.which("sha256sum"):
+        _run(["sha256sum", "-c", "fedlabels.sha256"], cwd=kit / "startup")
     before = _files(env_dir)
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "FEDLABELS_BUNDLES", "FEDLABELS_DATA")}

@@ -249,7 +249,7 @@ def cmd_provision(args):
                      org_admins=org_admins, no_byoc=named(args.no_byoc),
                      withhold_batchnorm=named(args.withhold_batchnorm), noise_summary=named(args.noise_summary),
                      storage=args.server_storage, fault_drills=named(args.fault_drills),
-                     own_operation=named(args.own_operation))
+                     own_operation=named(args.own_operation), wheel=args.wheel)
     for name, kit in kits.items():
         print(f"{name:<24} {kit}")
     print("give each participant its own folder; each installs its startup/requirements.txt "
@@ -261,7 +261,7 @@ def cmd_kit_policy(args):
 
     for path in harden_kit(args.kit, no_byoc=args.no_byoc, own_operation=args.own_operation,
                            withhold_batchnorm=args.withhold_batchnorm, noise_summary=args.noise_summary,
-                           fault_drills=args.fault_drills):
+                           fault_drills=args.fault_drills, wheel=args.wheel):
         print(f"wrote {path}")
 
 
@@ -508,6 +508,9 @@ def add_parsers(sub):
     s.add_argument("--fault-drills", metavar="SITES",
                    help="comma-separated hospitals (or 'all') whose job gate accepts fault drills: a test "
                         "federation only (every other hospital refuses a job with a drill naming it)")
+    s.add_argument("--wheel", metavar="WHL",
+                   help="the release's wheel (make dist; the version running here): copied into every kit's "
+                        "startup/ with its sha256, and requirements.txt installs it (no public index needed)")
     s.add_argument("--server-storage", metavar="DIR",
                    help="absolute folder on the server machine for its job and snapshot stores (the server kit's "
                         "local/resources.json); default nvflare's /tmp/nvflare, which a reboot may empty")
@@ -522,6 +525,7 @@ def add_parsers(sub):
                        ("--noise-summary", "noise the label summary whatever the job says"),
                        ("--fault-drills", "accept fault drills (a test federation only)")):
         s.add_argument(flag, action="store_true", help=f"a hospital's kit: {what} (as fedlabels provision's option)")
+    s.add_argument("--wheel", metavar="WHL", help="the release's wheel, copied into the kit (as fedlabels provision's)")
     s.set_defaults(fn=cmd_kit_policy)
 
     s = sub.add_parser("report", help="test-set per-class table of finished runs' global models")

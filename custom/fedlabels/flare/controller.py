@@ -61,10 +61,13 @@ VERSIONS = "versions"  # the packages a site runs; the server refuses a mismatch
 
 
 def versions() -> dict:
-    """The versions of the packages a site and the server must share (those a provisioned kit pins)."""
+    """The versions of the packages a site and the server must share (those a provisioned kit pins), and the
+    sha256 of the fedlabels wheel this install came from (None for an editable or index install): two builds
+    that share a version number are told apart."""
+    from ..release import installed_sha256
     from .provision import PINNED, installed
 
-    return {name: installed(name) for name in PINNED}
+    return {**{name: installed(name) for name in PINNED}, "fedlabels_wheel": installed_sha256()}
 
 
 class FedLabelsController(BaseFedAvg):

@@ -59,11 +59,29 @@ def installed(name: str) -> str | None:
         return None
 
 
-def requirements() -> str:
+def requirements(wheel: bool = False) -> str:
+    """The kit's ``startup/requirements.txt``: the pinned packages; ``wheel``: the release's wheel lies beside
+    it (``--find-links .`` is read relative to this file, so pip finds it from any folder)."""
     missing = [name for name in PINNED if installed(name) is None]
     if missing:
         raise ProvisionError(f"{missing} not installed here; provision from the environment the federation uses")
-    return "".join(f"{name}=={installed(name)}\n" for name in PINNED)
+    return ("--find-links .\n" if wheel else "") + "".join(f"{name}=={installed(name)}\n" for name in PINNED)
+
+
+def add_wheel(kit, wheel, digest: str) -> list:
+    """The release's wheel in the kit's ``startup/`` with its sha256 (``fedlabels.sha256``: plain mutual-TLS
+    kits are not signed) and a ``requirements.txt`` that installs it: a hospital installs exactly the
+    server's release, without a public index. Returns the files written."""
+    import shutil
+
+    startup = Path(kit) / "startup"
+    target = startup / Path(wheel).name
+    tmp = startup / f".{target.name}.part"
+    shutil.copyfile(wheel, tmp)
+    os.replace(tmp, target)
+    write_atomic(startup / "fedlabels.sha256", f"{digest}  {target.name}\n".encode())
+    write_atomic(startup / REQUIREMENTS, requirements(wheel=True).encode())
+    return [target, startup / "fedlabels.sha256", startup / REQUIREMENTS]
 
 
 class PackageBuilder(Builder):
@@ -232,13 +250,15 @@ def protect(out: Path, name: str) -> None:
 
 def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int = 8002,
               admin_port: int = 8003, org_admins: dict | None = None, no_byoc=(), withhold_batchnorm=(),
-              noise_summary=(), storage: str | None = None, fault_drills=(), own_operation=()) -> dict:
+              noise_summary=(), storage: str | None = None, fault_drills=(), own_operation=(),
+              wheel=None) -> dict:
     """Write ``out/project.yml`` and run ``nvflare provision``; {participant: startup kit folder}.
     Every kit allows exactly the classes our jobs name, every hospital gates each job (``fedlabels.flare.gate``)
     and streams no log to the server (``allow_fedlabels``).
     ``no_byoc``: sites whose ``local/authorization.json`` refuses jobs with custom code;
     ``own_operation``: sites that only their own admins operate or run shell commands on;
     ``fault_drills``: sites whose gate accepts fault drills (a test federation);
+    ``wheel``: the release's wheel (``make dist``), copied into every kit (``add_wheel``);
     ``withhold_batchnorm``: sites whose ``local/privacy.json`` removes batch norm from every reply;
     ``noise_summary``: sites that noise their label summary (``SITE_NOISE``) whatever the job says;
     ``storage``: an absolute folder on the server machine for its job and snapshot stores (``server_storage``).
@@ -255,6 +275,7 @@ def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int
             raise ProvisionError(f"{option} {unknown[0]!r}: not one of --sites {sites}")
     if storage is not None and not Path(storage).is_absolute():  # the server runs from wherever its kit is unpacked
         raise ProvisionError(f"--server-storage {storage!r}: give an absolute path on the server machine")
+    digest = _check_wheel(wheel)
     out.mkdir(parents=True, exist_ok=True)
     project_file = out / "project.yml"
     write_atomic(project_file, yaml.safe_dump(spec, sort_keys=False).encode())
@@ -265,6 +286,9 @@ def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int
         raise RuntimeError(f"nvflare provision failed ({project_file}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     prod = sorted((out / name).glob("prod_*"), key=lambda p: int(p.name.split("_")[1]))[-1]
     kits = {p["name"]: prod / p["name"] for p in spec["participants"]}
+    if wheel is not None:  # every participant (the admin's job.py imports fedlabels too)
+        for kit in kits.values():
+            add_wheel(kit, wheel, digest)
     for p in spec["participants"]:
         if p["type"] == "server":
             harden_kit(kits[p["name"]])
@@ -288,12 +312,24 @@ def kit_site(kit: Path) -> str | None:
     raise ProvisionError(f"{kit}: not an nvflare startup kit (no startup/fed_client.json or fed_server.json)")
 
 
+def _check_wheel(wheel) -> str | None:
+    if wheel is None:
+        return None
+    from ..release import check_wheel
+
+    try:
+        return check_wheel(wheel)
+    except ValueError as e:
+        raise ProvisionError(f"--wheel {e}") from None
+
+
 def harden_kit(kit, *, no_byoc: bool = False, own_operation: bool = False, withhold_batchnorm: bool = False,
-               noise_summary: bool = False, fault_drills: bool = False) -> list:
+               noise_summary: bool = False, fault_drills: bool = False, wheel=None) -> list:
     """What fedlabels adds to an nvflare startup kit, whoever made it (``fedlabels provision``, or nvflare's
     distributed provisioning, where a hospital's private key never leaves it: ``fedlabels kit-policy``).
     Every kit: the classes a fedlabels job names and no others (``allow_fedlabels``) and the pinned packages
-    (``startup/requirements.txt``, when the kit has none). A hospital's kit: its job gate and no log streaming,
+    (``startup/requirements.txt``, when the kit has none; with ``wheel``, the release's wheel beside it). A
+    hospital's kit: its job gate and no log streaming,
     its own privacy policy (``site_policy``), and with ``no_byoc`` / ``own_operation`` its authorization
     policy (``site_authorization``). The hospital-only options on a server kit are an error. Returns the
     files written."""
@@ -302,9 +338,12 @@ def harden_kit(kit, *, no_byoc: bool = False, own_operation: bool = False, withh
     if site is None and any((no_byoc, own_operation, withhold_batchnorm, noise_summary, fault_drills)):
         raise ProvisionError(f"{kit}: a server kit; --no-byoc, --own-operation, --withhold-batchnorm, "
                              "--noise-summary and --fault-drills are a hospital's")
+    digest = _check_wheel(wheel)
     written = [allow_fedlabels(kit, site=site, fault_drills=fault_drills)]
     pins = kit / "startup" / REQUIREMENTS
-    if not pins.exists():
+    if wheel is not None:
+        written += add_wheel(kit, wheel, digest)
+    elif not pins.exists():
         write_atomic(pins, requirements().encode())
         written.append(pins)
     if site is None:
