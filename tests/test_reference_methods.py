@@ -264,3 +264,36 @@ def test_surgical_reference_by_hand():
     assert out["h.weight"].tolist() == [[2.0, 2.0], [2.0, 2.0], [7.0, 7.0]]  # Eq. 2, Eq. 3, nobody: kept
     assert out["h.bias"].tolist() == [2.0, 2.0, 7.0]
     assert ref_surgical.aggregate(states, masks, glob, "h", weights=[3, 1])["f"].tolist() == [1.75]
+
+
+def _scenario(root, sites):
+    """A tiny prepared scenario: ``sites`` = {name: [label, ...]} (-1 = unlabeled), 2 classes, 4x4 images."""
+    import json
+
+    import yaml
+    from PIL import Image
+
+    (root / "test").mkdir(parents=True)
+    Image.fromarray(np.zeros((4, 4), np.uint8)).save(root / "test" / "a.png")
+    (root / "test" / "datalist.json").write_text(json.dumps({"testing": [{"image": "a.png", "label": 0}]}))
+    for name, labels in sites.items():
+        (root / name).mkdir()
+        items = []
+        for i, y in enumerate(labels):
+            Image.fromarray(np.full((4, 4), 40 * i, np.uint8)).save(root / name / f"{i}.png")
+            items.append({"image": f"{i}.png", "label": y})
+        (root / name / "datalist.json").write_text(json.dumps({"training": items}))
+        (root / name / "oracle.json").write_text(json.dumps({"training": [{**it, "label": 1} for it in items]}))
+    (root / "scenario.yaml").write_text(yaml.safe_dump({"classes": ["a", "b"], "sites": list(sites)}))
+
+
+def test_read_sites_tells_labeled_from_unlabeled_sites_and_refuses_a_mixed_one(tmp_path):
+    _scenario(tmp_path / "ok", {"site-1": [0, 1], "site-2": [-1, -1, -1]})
+    sites, test, classes = ref.read_sites(tmp_path / "ok", 1, "fixed", oracle=False)
+    assert [(len(y), lab) for _, y, lab in sites] == [(2, True), (3, False)] and classes == 2
+    assert np.allclose(sites[1][0][1].numpy(), 40 / 127.5 - 1)  # image 1 of site-2: 40 -> x / 127.5 - 1
+    oracle, _, _ = ref.read_sites(tmp_path / "ok", 1, "fixed", oracle=True)
+    assert [lab for _, _, lab in oracle] == [True, True]  # full labels everywhere: the upper bound
+    _scenario(tmp_path / "mixed", {"site-1": [0, -1]})
+    with pytest.raises(ValueError, match="1 of 2 cases labeled"):
+        ref.read_sites(tmp_path / "mixed", 1, "fixed", oracle=False)

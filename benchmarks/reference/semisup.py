@@ -72,6 +72,15 @@ RSCFED = {
     "warm_start": ("labeled checkpoint", f"{_README}: --resume --from_labeled (train_main.py loads warmup/*.pth)"),
     "rounds": (1000, f"{_README}: --rounds=1000"),
     "distance": ("rscfed", "FedAvg.py model_dist: the sum of per-tensor norms"),
+    "teacher": ("kept across rounds", "local_unsupervised.py: the EMA model is loaded from the received weights "
+                                      "once (self.flag) and then persists from round to round; IsoFed Sec. 2.2 "
+                                      "initialises the teacher from the received model every round (this reference)"),
+    "ema_warmup": ("min(1 - 1 / (step + 1), ema_decay)", "local_unsupervised.py update_ema_variables, step = the "
+                                                          "client's iteration count over all rounds"),
+    "w_mul_times_rule": ("see source", "train_main.py: with --un_dist '' (options.py default) a chosen labeled "
+                                       "client's count is multiplied before the average and its coefficient "
+                                       "multiplied again (m^2 n exp(...)); with the README's --un_dist=avg only "
+                                       "the coefficient (m n exp(...))"),
 }
 
 # What the reference runs beside the project's rows (``benchmarks/reference_check.py --rows``): RSCFed's values
