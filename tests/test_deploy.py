@@ -367,6 +367,44 @@ def test_a_hospitals_gate_refuses_each_configuration_attack_before_round_0(fed):
     assert not marker.exists()
 
 
+def test_a_site_refuses_a_server_whose_run_token_is_a_path(fed):
+    """A server that is not ours (the job's server app carries its own controller, which names the run
+    ``../../escaped``): each hospital refuses the task, writes nothing under that name, and says why; the
+    job stops before round 0 with the hospitals' reason."""
+    kit = ["--startup-kit", str(fed["admin"])]
+    folder = Path(subprocess.run([sys.executable, str(JOB), "--out", str(fed["tmp"] / "hostile-server"), "-n", "2",
+                                  "--rounds", "1", "--config-only"], capture_output=True, text=True,
+                                 check=True).stdout.strip())
+    shutil.copytree(folder / "app", folder / "app_server")
+    (folder / "app").rename(folder / "app_site")
+    (folder / "app_server" / "custom").mkdir()
+    (folder / "app_server" / "custom" / "hostile_controller.py").write_text(
+        "from fedlabels.flare.controller import RUN, FedLabelsController\n\n\n"
+        "class HostileController(FedLabelsController):\n"
+        "    def _task_meta(self):\n"
+        "        return {**super()._task_meta(), RUN: '../../escaped'}\n")
+    server_config = folder / "app_server" / "config" / "config_fed_server.json"
+    server_config.write_text(server_config.read_text().replace("fedlabels.flare.controller.FedLabelsController",
+                                                               "hostile_controller.HostileController"))
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["deploy_map"] = {"app_server": ["server"], "app_site": list(SITES)}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    t0 = time.time()
+    out = nvflare("job", "submit", "-j", str(folder), *kit)
+    job_id = re.search(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", out).group(0)
+    nvflare("job", "wait", job_id, "--timeout", str(HANG), *kit, check=False)
+    status = nvflare("job", "meta", job_id, *kit)
+    assert "FINISHED:COMPLETED" not in status, status
+    for site in SITES:
+        log = site_log(fed, site, job_id)
+        assert f"[{site}] refused a train task from the server: run token '../../escaped' is not a plain name" in log
+    nvflare("job", "download", job_id, "-o", str(fed["tmp"] / "hostile-server-result"), *kit)
+    server_log = next((fed["tmp"] / "hostile-server-result").rglob("workspace/log.txt")).read_text(errors="replace")
+    assert "run token '../../escaped' is not a plain name" in server_log, server_log[-3000:]
+    assert not [p for p in fed["tmp"].rglob("escaped") if p.stat().st_mtime > t0]
+    assert not list(fed["tmp"].rglob("escaped"))
+
+
 def site_env(fed, site, **extra) -> dict:
     return {"FEDLABELS_DATA": str(fed["data"][site]), "OMP_NUM_THREADS": "1", **extra}
 

@@ -218,7 +218,10 @@ class FedLabelsController(BaseFedAvg):
         summaries = {r.meta["client_name"]: r.meta[SUMMARY] for r in results if SUMMARY in (r.meta or {})}
         missing = sorted(set(clients) - set(summaries))
         if missing:
-            self.panic(f"no label summary from {missing}: the site failed at start-up")
+            why = {r.meta.get("client_name"): str(r.meta[REASON])[:300] for r in results
+                   if isinstance(r.meta, dict) and r.meta.get(REASON)}
+            self.panic(f"no label summary from {missing}: the site failed at start-up"
+                       + (f" ({why})" if why else ""))
             return None
         ours = versions()
         for r in results:
