@@ -297,3 +297,39 @@ def test_read_sites_tells_labeled_from_unlabeled_sites_and_refuses_a_mixed_one(t
     _scenario(tmp_path / "mixed", {"site-1": [0, -1]})
     with pytest.raises(ValueError, match="1 of 2 cases labeled"):
         ref.read_sites(tmp_path / "mixed", 1, "fixed", oracle=False)
+
+
+def test_project_unlabeled_client_equals_the_reference_over_two_rounds():
+    """IsoFed's unlabeled site, two rounds, SGD state carried: IM pretraining, then the mean teacher. One batch
+    holding every case and no augmentation, so the reference's shuffling cannot change its per-case means."""
+    from fedlabels.methods.base import SiteContext, to_numpy
+    from fedlabels.methods.semisup import SemiSupClient
+    from fedlabels.profile import SiteProfile, label_summary
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 3, generator=g)
+    s = {**ref.CHECK, "augment": "none", "strong": "none", "batch_size": 100, "lr": 0.1, "lambda_u": 2.0,
+         "ema_alpha": 0.3, "pretrain_epochs": 2}
+    profile = SiteProfile("site-u", "multiclass", ("a", "b"), (), "none")
+    ctx = SiteContext(profile, [{"image": x, "image_strong": x, "label": torch.full((8,), -1)}],
+                      label_summary(profile, [{"label": -1}] * 8))
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    start = to_numpy(net.state_dict())
+    client = SemiSupClient(net, ctx, temperature=s["temperature"], ema_alpha=s["ema_alpha"], lr=s["lr"],
+                           optimizer="sgd", weight_decay=s["weight_decay"], consistency_weight=s["lambda_u"],
+                           pretrain=True, pretrain_epochs=s["pretrain_epochs"], reset_optimizer=False)
+    rnet = torch.nn.Linear(3, 2)
+    ropt = ref.optimizer(rnet.parameters(), s, s["lr"])
+    gen = torch.Generator().manual_seed(0)
+    weights = start
+    for rnd in (0, 1):
+        sent = client.train(weights, rnd).weights
+        rnet.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()})
+        ref.pretrain(rnet, x, s, gen)
+        ref.train_unlabeled(rnet, ropt, x, s, gen)
+        for k, v in rnet.state_dict().items():
+            np.testing.assert_allclose(sent[k], v.detach().numpy(), rtol=0, atol=1e-6, err_msg=f"round {rnd} {k}")
+        # the next round starts from a moved model, so a carried momentum buffer matters
+        weights = {k: np.asarray(v) + 0.05 for k, v in sent.items()}
+    assert not np.allclose(sent["weight"], start["weight"])
