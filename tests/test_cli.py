@@ -363,6 +363,22 @@ def test_a_hospital_that_keeps_its_private_key_builds_its_kit_and_adds_the_site_
     assert "not an nvflare startup kit" in _one_error_line(bad["none"])
     cert = x509.load_pem_x509_certificate((out / "p" / "prod_00" / "hospital-a" / "startup" / "client.crt").read_bytes())
     assert days(cert) == 360  # what the docs say provision issues
+    # provisioning again into the same --out keeps the root CA and, without --renew, every key and certificate
+    # (nvflare's provisioning state); with --renew, new ones for the participants named (docs: rotation)
+    argv = ["provision", "--project", "p", "--server", "localhost", "--admin", "admin@example.org",
+            "--sites", "hospital-a", "--out", str(out)]
+    assert cli.main(argv) == 0 and cli.main(argv + ["--renew", "hospital-a"]) == 0
+    first, same, new = (out / "p" / f"prod_0{i}" for i in (0, 1, 2))
+    for kit in (same, new):
+        assert (kit / "hospital-a/startup/rootCA.pem").read_bytes() == (first / "hospital-a/startup/rootCA.pem").read_bytes()
+    assert (same / "hospital-a/startup/client.key").read_bytes() == (first / "hospital-a/startup/client.key").read_bytes()
+    assert (new / "hospital-a/startup/client.key").read_bytes() != (first / "hospital-a/startup/client.key").read_bytes()
+    assert (new / "localhost/startup/server.key").read_bytes() == (first / "localhost/startup/server.key").read_bytes()
+    renewed = x509.load_pem_x509_certificate((new / "hospital-a/startup/client.crt").read_bytes())
+    renewed.verify_directly_issued_by(x509.load_pem_x509_certificate((new / "hospital-a/startup/rootCA.pem").read_bytes()))
+    assert renewed.serial_number != cert.serial_number and renewed.not_valid_after_utc >= cert.not_valid_after_utc
+    assert "--renew 'hospital-z': not a participant" in _one_error_line(
+        _run_all({"renew": argv + ["--renew", "hospital-z"]})["renew"])
 
 
 def test_provisioning_gives_each_hospital_its_admin_its_byoc_policy_and_guards_the_ca(tmp_path):

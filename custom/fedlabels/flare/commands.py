@@ -249,7 +249,8 @@ def cmd_provision(args):
                      org_admins=org_admins, no_byoc=named(args.no_byoc),
                      withhold_batchnorm=named(args.withhold_batchnorm), noise_summary=named(args.noise_summary),
                      storage=args.server_storage, fault_drills=named(args.fault_drills),
-                     own_operation=named(args.own_operation), wheel=args.wheel)
+                     own_operation=named(args.own_operation), wheel=args.wheel,
+                     renew=["all"] if args.renew == "all" else named(args.renew))
     for name, kit in kits.items():
         print(f"{name:<24} {kit}")
     print("give each participant its own folder; each installs its startup/requirements.txt "
@@ -508,6 +509,9 @@ def add_parsers(sub):
     s.add_argument("--fault-drills", metavar="SITES",
                    help="comma-separated hospitals (or 'all') whose job gate accepts fault drills: a test "
                         "federation only (every other hospital refuses a job with a drill naming it)")
+    s.add_argument("--renew", metavar="NAMES",
+                   help="comma-separated participants (or 'all') whose key and certificate are issued anew when "
+                        "provisioning again into the same --out (rotation; the root CA stays)")
     s.add_argument("--wheel", metavar="WHL",
                    help="the release's wheel (make dist; the version running here): copied into every kit's "
                         "startup/ with its sha256, and requirements.txt installs it (no public index needed)")

@@ -251,7 +251,7 @@ def protect(out: Path, name: str) -> None:
 def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int = 8002,
               admin_port: int = 8003, org_admins: dict | None = None, no_byoc=(), withhold_batchnorm=(),
               noise_summary=(), storage: str | None = None, fault_drills=(), own_operation=(),
-              wheel=None) -> dict:
+              wheel=None, renew=()) -> dict:
     """Write ``out/project.yml`` and run ``nvflare provision``; {participant: startup kit folder}.
     Every kit allows exactly the classes our jobs name, every hospital gates each job (``fedlabels.flare.gate``)
     and streams no log to the server (``allow_fedlabels``).
@@ -259,6 +259,8 @@ def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int
     ``own_operation``: sites that only their own admins operate or run shell commands on;
     ``fault_drills``: sites whose gate accepts fault drills (a test federation);
     ``wheel``: the release's wheel (``make dist``), copied into every kit (``add_wheel``);
+    ``renew``: participants (or "all") whose key and certificate are issued anew (``forget_certificates``;
+    rotation);
     ``withhold_batchnorm``: sites whose ``local/privacy.json`` removes batch norm from every reply;
     ``noise_summary``: sites that noise their label summary (``SITE_NOISE``) whatever the job says;
     ``storage``: an absolute folder on the server machine for its job and snapshot stores (``server_storage``).
@@ -276,7 +278,13 @@ def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int
     if storage is not None and not Path(storage).is_absolute():  # the server runs from wherever its kit is unpacked
         raise ProvisionError(f"--server-storage {storage!r}: give an absolute path on the server machine")
     digest = _check_wheel(wheel)
+    names = [p["name"] for p in spec["participants"]]
+    renew = names if "all" in renew else list(renew)
+    unknown = sorted(set(renew) - set(names))
+    if unknown:
+        raise ProvisionError(f"--renew {unknown[0]!r}: not a participant ({names})")
     out.mkdir(parents=True, exist_ok=True)
+    forget_certificates(out / name / "state", renew)
     project_file = out / "project.yml"
     write_atomic(project_file, yaml.safe_dump(spec, sort_keys=False).encode())
     cmd = [sys.executable, "-m", "nvflare.cli", "provision", "-p", str(project_file), "-w", str(out), "--force"]
@@ -300,6 +308,20 @@ def provision(out, name: str, server: str, sites: list, admin: str, fl_port: int
                        withhold_batchnorm=site in withhold_batchnorm, noise_summary=site in noise_summary,
                        fault_drills=site in fault_drills)
     return kits
+
+
+def forget_certificates(state: Path, names) -> None:
+    """Remove participants' keys and certificates from nvflare's provisioning state (``state/cert.json``),
+    keeping the root CA: provisioning again then issues them new ones. Without it nvflare hands every
+    participant the key and certificate it issued first, which never renews an expiring certificate."""
+    path = Path(state) / "cert.json"
+    if not names or not path.is_file():
+        return
+    content = json.loads(path.read_text())
+    kept = {k: v for k, v in content.items() if k not in set(names)}
+    if kept != content:
+        write_atomic(path, json.dumps(kept).encode())
+        os.chmod(path, 0o600)
 
 
 def kit_site(kit: Path) -> str | None:
