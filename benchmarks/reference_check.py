@@ -401,8 +401,8 @@ CRITERIA_HEAD = ("difference d, mean ± sd | 90 % interval of mean d | (a) insid
 # Published protocols (docs/results/*.md, benchmarks/plans/) and what this check covers of them.
 COVERAGE = [
     ("`isofed` preset, PneumoniaMNIST / BloodMNIST, every L:U and gamma (`isofed-preset`, `isofed-pretraining`)",
-     "`oracle:fedavg` on PneumoniaMNIST gamma 0.8 and BloodMNIST gamma 0.5 with the preset (one training seed: "
-     "criterion (b) unmeasured). The `isofed`, `mt_wfedavg` and `oracle:wfedavg` rows against the method references "
+     "`oracle:fedavg` with the preset on PneumoniaMNIST gamma 0.8 (the 1:3 splits: two training seeds; the older "
+     "splits: one, criterion (b) unmeasured) and BloodMNIST gamma 0.5 (one training seed). The `isofed`, `mt_wfedavg` and `oracle:wfedavg` rows against the method references "
      "only on PneumoniaMNIST gamma 0.8, 1 labeled : 3 unlabeled, with the reference's settings (RSCFed's released "
      "values where the project can express them), not with the preset's Adam 1e-3; `rscfed`, `isofed_nopt`, "
      "BloodMNIST and the other L:U unchecked"),
