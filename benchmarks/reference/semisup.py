@@ -108,7 +108,9 @@ LEFT_OUT = {
 CHOICES = {"pretrain_epochs": "1 pass over the unlabeled site's weak views",
            "pretrain_lr": "the site's lr, a fresh optimizer of the same kind each round",
            "pretrain_target": "the adapted model starts the teacher and the student (Sec. 2.4 adapts 'the global "
-                              "model' before it initialises the teacher)"}
+                              "model' before it initialises the teacher)",
+           "pretrain_sites": "the unlabeled sites only (Sec. 2.4 pretrains before the model initialises the teacher, "
+                             "which only they have; Fig. 2's caption says 'for each client')"}
 
 
 # ---------------------------------------------------------------- aggregation (Eq. 2-3)
