@@ -7,6 +7,11 @@ loop of the same protocol. With the bundle's scaling switched back to per-image
 min-max (``ScaleIntensityd``), the same check must fail: measured on this split,
 both the project and the reference then predict one class for 45 rounds, while
 with the preset's fixed [-1, 1] scaling both predict both classes by round 30.
+
+The equivalence criterion's arithmetic (the 90 % t interval of the mean paired
+difference, the widest split against the widest seed-to-seed difference) is
+checked on hand-computed numbers, and so is the mapping of the method
+reference's settings onto the project's row options.
 """
 
 from __future__ import annotations
