@@ -2,8 +2,10 @@
 
 ``write_inputs`` saves one 2D picture as PNG, as NIfTI (x, y array order, MONAI's
 convention, with a non-identity affine) and as grey DICOM twice: MONOCHROME2, and
-MONOCHROME1 (stored inverted, as computed radiography often is); ``write_unreadable``
-adds a file that is no image and a 3D volume.
+MONOCHROME1 (stored inverted, as computed radiography often is), both with the window
+(center 128, width 256) that displays stored values 0..255 as themselves (DICOM PS3.3
+C.11.2.1.2.1), so the DICOM is displayed as the PNG is; ``write_unreadable`` adds a file
+that is no image and a 3D volume.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ def write_inputs(folder: Path, png: Path) -> dict:
     nib.save(nib.Nifti1Image(xy.astype(np.float32), NIFTI_AFFINE), str(out["nifti"]))
     grey = (arr if arr.ndim == 2 else arr[..., :3].mean(-1)).astype(np.uint16)
     out["dicom"], out["dicom_inverted"] = folder / f"{png.stem}_d.dcm", folder / f"{png.stem}_i.dcm"
-    write_dicom(out["dicom"], grey, "P1", intercept=0.0)
-    # stored inverted within the picture's own range: without a window that is the range a reader inverts in
-    write_dicom(out["dicom_inverted"], grey.max() + grey.min() - grey, "P1", intercept=0.0, photometric="MONOCHROME1")
+    write_dicom(out["dicom"], grey, "P1", intercept=0.0, window=(128, 256))
+    # stored inverted within the window (0 = white): displayed inverted back
+    write_dicom(out["dicom_inverted"], 255 - grey, "P1", intercept=0.0, photometric="MONOCHROME1", window=(128, 256))
     return out
 
 

@@ -41,7 +41,8 @@ from pydicom.uid import (ComputedRadiographyImageStorage, CTImageStorage, Explic
 from fedlabels import cli
 from fedlabels.bundle import bundle_path
 from fedlabels.bundle import data as bundle_data
-from fedlabels.bundle.dicom import is_dicom, read_dicom_image
+from fedlabels.bundle.dicom import is_dicom
+from fedlabels.data.dicom import read_dicom_image
 from fedlabels.bundle.workflows import export_bundle
 
 # test_flare's cxr scenario and job runs, test_fedmix_flare's lesion scenarios and runs: the same
@@ -111,6 +112,12 @@ def write_unreadable(path, study, series) -> None:
     Path(path).write_bytes(raw[:-300])
 
 
+def full_range(picture) -> np.ndarray:
+    """A grey picture stretched to 0..255 (uint8): as a DICOM of it without a window is displayed."""
+    p = np.asarray(picture, dtype=np.float64)
+    return np.rint((p - p.min()) / (p.max() - p.min()) * 255).astype(np.uint8)
+
+
 def loaded(path, bundle="cxr_densenet121") -> np.ndarray:
     """The image as the bundle's ``LoadImaged`` reads it (x, y order: MONAI's 2D convention)."""
     parser = ConfigParser()
@@ -142,14 +149,15 @@ def test_dicom_files_are_found_by_content_and_read_as_displayed(tmp_path, caplog
     assert not is_dicom(folder / "notes") and not is_dicom(folder / "header.bin")
 
     hu = stored * 2.0 - 1024
-    # below c - w/2 black, above white, linear between; on the 0-255 scale of the 8-bit training images
-    windowed = np.clip((hu - 39.5) / 399 + 0.5, 0, 1) * 255
+    # below c - w/2 black, above white, linear between; on the 0-255 scale of the 8-bit training images, rounded
+    windowed = np.rint(np.clip((hu - 39.5) / 399 + 0.5, 0, 1) * 255)
     s = stored.astype(np.float64)
-    by_hand = {"IM0001": s, "IM0002": windowed, "IM0003": s.max() + s.min() - s, "IM0004.dcm": 255 - windowed}
+    stretched = np.rint((s - s.min()) / (s.max() - s.min()) * 255)  # no window: the image's own range
+    by_hand = {"IM0001": stretched, "IM0002": windowed, "IM0003": 255 - stretched, "IM0004.dcm": 255 - windowed}
     for name, expected in by_hand.items():
         pixels, _ = read_dicom_image(folder / name)
-        assert pixels.shape == (12, 20) and np.allclose(pixels, expected, atol=1e-4), name
-        assert np.allclose(loaded(folder / name), expected.T, atol=1e-4), name  # what the bundle's reader gives
+        assert pixels.shape == (12, 20) and np.array_equal(pixels, expected), name
+        assert np.array_equal(loaded(folder / name), expected.T), name  # what the bundle's reader gives
     assert windowed.min() == 0 and windowed.max() == 255 and 0 < np.mean(windowed) < 255  # clipped at both ends
 
     # the unreadable one: one warning line naming it, the others go on
@@ -293,8 +301,9 @@ def test_a_federated_classification_run_reports_dicom_findings_as_a_structured_r
     assert meta["provenance"]["model_after_rounds"] in (0, 1, 2)
 
     src = sorted((Path(data) / "test" / "images").glob("*.png"))[:3]
-    pics = [np.asarray(Image.open(f)) for f in src]
-    assert all(p.ndim == 2 for p in pics)  # grey radiographs
+    # grey radiographs over the full 0-255 range: a DICOM without a window is displayed over its own range
+    pics = [full_range(np.asarray(Image.open(f))) for f in src]
+    assert all(p.ndim == 2 for p in pics)
     inputs = tmp_path / "in"
     inputs.mkdir()
     study_a, study_b, series_a, series_b = (generate_uid() for _ in range(4))
@@ -303,7 +312,7 @@ def test_a_federated_classification_run_reports_dicom_findings_as_a_structured_r
     # few metal-bright pixels the window clips (its PNG twin has them at 255); the first two have no suffix
     sops["IM0001"] = write_image(inputs / "IM0001", pics[0], study_a, series_a,
                                  sop_class=ComputedRadiographyImageStorage)
-    inv = int(pics[1].max()) + int(pics[1].min()) - pics[1].astype(np.uint16)
+    inv = 255 - pics[1].astype(np.uint16)
     sops["IM0002"] = write_image(inputs / "IM0002", inv, study_a, series_a, instance=2, photometric="MONOCHROME1",
                                  sop_class=ComputedRadiographyImageStorage)
     bright = pics[2].copy()
@@ -391,7 +400,7 @@ def test_a_fedmix_segmentation_run_writes_dicom_seg_equal_to_its_png_masks(runs,
     sops, twins = {}, {}
     # a grey cross-sectional series of two slices (one frame of reference): one SEG of two frames
     for k in range(2):
-        grey = np.rint(pics[k].astype(np.float64).mean(-1)).astype(np.uint8)
+        grey = full_range(pics[k].astype(np.float64).mean(-1))
         sops[f"slice{k}"] = write_image(inputs / f"slice{k}", grey, study, ct_series, instance=k + 1,
                                         geometry=True, frame_of_reference=frame)
         Image.fromarray(grey).save(inputs / f"grey{k}.png")
@@ -429,3 +438,4 @@ def test_a_fedmix_segmentation_run_writes_dicom_seg_equal_to_its_png_masks(runs,
             assert mask.shape[:2] == png.shape and np.array_equal(mask[..., 0] > 0, png), name
     # the comparison above means something: the masks hold lesion and background
     assert any(0 < (np.asarray(Image.open(p)) > 0).mean() < 1 for p in out.glob("*_seg.png"))
+

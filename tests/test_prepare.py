@@ -24,7 +24,7 @@ from fedlabels.data import build, medmnist, prepare
 from fedlabels.data.build import load_extra_test
 from fedlabels.data.chestxray import CHEXPERT_COLUMNS, NIH_CLASSES, UNION20
 from fedlabels.data.common import PrepareError, write_mhd
-from fedlabels.data.dicom import read_dicom_header, read_dicom_pixels, write_dicom
+from fedlabels.data.dicom import read_dicom_header, read_dicom_image, write_dicom
 from fedlabels.data.partition import FEDPSL_CLASSES_6, FEDPSL_SITE_CLASSES_6
 from fedlabels.profile import ScenarioError, format_summary, load_scenario
 
@@ -372,7 +372,9 @@ def test_dicom_reader_roundtrip(tmp_path):
         p = tmp_path / f"x{explicit}.dcm"
         write_dicom(p, px, "P1", intercept=-24.0, explicit=explicit)
         assert read_dicom_header(p)["PatientID"] == "P1"
-        np.testing.assert_allclose(read_dicom_pixels(p), px.astype(np.float32) - 24)
+        hu = px.astype(np.float64) - 24  # the CT window of fedlabels prepare ich (--window LEVEL,WIDTH): 100 HU wide
+        expected = np.rint(np.clip((hu - (-450 - 0.5)) / (100 - 1) + 0.5, 0, 1) * 255).astype(np.uint8)
+        np.testing.assert_array_equal(read_dicom_image(p, "-450,100")[0], expected)
 
 
 @pytest.mark.parametrize("png", [False, True])

@@ -19,9 +19,6 @@ The bundle configs call these functions, so a bundle trained with
   PNG/JPEG, NIfTI with the source geometry for NIfTI and DICOM (or, with
   ``configs/inference_dicom.json``, nothing for DICOM: ``bundle.dicom.DicomSegWriter``
   writes a DICOM SEG).
-* ``DicomPhotometricd`` -- a grey DICOM stored MONOCHROME1 (0 = white) is
-  inverted to the MONOCHROME2 convention every other input follows (bundles
-  exported before ``bundle.dicom.DicomReader``, which does it while reading).
 * ``Ensure2DChannelsd`` -- makes any 2D input (grey, RGB, RGBA, a 2D NIfTI
   stored as H x W x 1) the channel count a network expects.
 * ``RandDihedrald`` -- cheap random flip / rotate-by-90 for training.
@@ -213,31 +210,6 @@ class ReadableImages(Dataset):
             logger.warning(f"{len(refused)} of {len(data)} input images left out")
         self.refused = refused
         super().__init__(ready, transform=None)
-
-
-def _photometric(path: str) -> str:
-    import pydicom
-
-    return str(getattr(pydicom.dcmread(path, stop_before_pixels=True, force=True), "PhotometricInterpretation",
-                       "")).strip()
-
-
-class DicomPhotometricd(MapTransform):
-    """Invert a grey DICOM stored MONOCHROME1 (the lowest value displayed white, common in computed
-    radiography) to MONOCHROME2, as PNG, NIfTI and the training images are: MONAI's readers return
-    the stored values, so without this such an image reaches the network as its negative."""
-
-    def __call__(self, data):
-        d = dict(data)
-        for key in self.key_iterator(d):
-            img = d[key]
-            meta = getattr(img, "meta", None) or {}
-            if meta.get("fedlabels_dicom"):  # bundle.dicom.DicomReader inverted it already
-                continue
-            source = str(meta.get("filename_or_obj", ""))
-            if source.lower().endswith(".dcm") and _photometric(source) == "MONOCHROME1":
-                d[key] = img.max() + img.min() - img
-        return d
 
 
 class MaskLabeld(MapTransform):

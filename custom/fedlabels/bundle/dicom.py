@@ -2,10 +2,11 @@
 
 * ``is_dicom(path)`` -- a DICOM file by its content (the 128-byte preamble and
   ``DICM``, or a data set pydicom parses), whatever its name;
-* ``read_dicom_image(path)`` -- the pixels as they are displayed: the modality LUT
-  (rescale slope / intercept) and the first VOI LUT or window applied, MONOCHROME1
-  inverted; ``DicomReader`` gives them to MONAI's ``LoadImage``, and
-  ``LoadImageOrDicomd`` (``inference.json``) uses it for DICOM inputs;
+* ``DicomReader`` -- MONAI ``ImageReader`` giving ``LoadImage`` the pixels of
+  ``data.dicom.read_dicom_image``, the one decoder import, prepare and training use too
+  (as displayed, 0-255: modality LUT, the first VOI LUT or window, MONOCHROME1 inverted);
+  ``LoadImageOrDicomd`` (``inference.json``) uses it for DICOM inputs, with the
+  bundle's ``dicom_window`` (the window ``fedlabels import --window`` trained with);
 * ``DicomSegWriter`` -- with ``configs/inference_dicom.json``, a segmentation
   bundle's masks as DICOM SEG (highdicom), one segment per class, referencing the
   source images: one SEG per series (an image without a frame of reference: its
@@ -32,6 +33,8 @@ import torch
 from monai.config import KeysCollection
 from monai.data import ImageReader
 from monai.transforms import MapTransform
+
+from ..data.dicom import DicomError, has_voi, parse_window, read_dicom_image  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("fedlabels.bundle")
 
@@ -67,84 +70,16 @@ def is_dicom(path) -> bool:
     return "SOPClassUID" in ds or "Rows" in ds
 
 
-def _luts():
-    try:  # pydicom >= 3
-        from pydicom.pixels import apply_color_lut, apply_modality_lut, apply_voi_lut
-    except ImportError:  # pydicom 2.x
-        from pydicom.pixel_data_handlers.util import apply_color_lut, apply_modality_lut, apply_voi_lut
-    return apply_modality_lut, apply_voi_lut, apply_color_lut
-
-
-def has_voi(ds) -> bool:
-    return "VOILUTSequence" in ds or ("WindowCenter" in ds and "WindowWidth" in ds)
-
-
-def read_dicom_image(path) -> tuple:
-    """``(pixels, header)``: a single 2D image, rows x columns (x 3 for colour), float32.
-
-    Grey: the modality LUT applied (rescale slope / intercept, or a modality LUT
-    sequence); with a VOI LUT or window (the first one), the VOI output mapped from
-    the VOI's output range to 0-255, as it is displayed (and as the training images,
-    8-bit display renderings, look); MONOCHROME1 (lowest value displayed white)
-    inverted to the MONOCHROME2 convention of every other input (within the window; without
-    one, within the image's own range). Without a window the values stay the modality's
-    (e.g. Hounsfield units). Colour: RGB (pydicom converts YBR), a palette through its
-    LUT. Anything else raises ``ValueError`` with one line.
-    """
-    import pydicom
-
-    try:
-        ds = pydicom.dcmread(str(path), force=True)
-    except Exception as e:  # noqa: BLE001 - any parser failure is an unreadable file
-        raise ValueError(f"not a readable DICOM file ({' '.join(str(e).split())})") from None
-    if "PixelData" not in ds:
-        sop = getattr(ds, "SOPClassUID", None)
-        what = getattr(sop, "name", None) or sop or "no SOP class"
-        raise ValueError(f"a DICOM object without pixels (field 'PixelData' missing; {what})")
-    frames = int(getattr(ds, "NumberOfFrames", 1) or 1)
-    if frames > 1:
-        raise ValueError(f"a multi-frame DICOM (field 'NumberOfFrames' = {frames}); this bundle reads single 2D images")
-    try:
-        px = ds.pixel_array
-    except Exception as e:  # noqa: BLE001 - truncated data, an unsupported compression
-        raise ValueError(f"DICOM pixel data cannot be decoded ({' '.join(str(e).split())})") from None
-    modality_lut, voi_lut, color_lut = _luts()
-    photometric = str(getattr(ds, "PhotometricInterpretation", "")).strip().upper()
-    samples = int(getattr(ds, "SamplesPerPixel", 1) or 1)
-    if photometric == "PALETTE COLOR":
-        return color_lut(px, ds).astype(np.float32), ds
-    if samples == 3:
-        return np.asarray(px, dtype=np.float32), ds
-    if samples != 1 or photometric not in ("MONOCHROME1", "MONOCHROME2"):
-        raise ValueError(f"field 'PhotometricInterpretation' {photometric or 'missing'} with {samples} samples per "
-                         "pixel: expected MONOCHROME1/2, RGB or PALETTE COLOR")
-    arr = np.asarray(modality_lut(px, ds), dtype=np.float64)
-    if "VOILUTSequence" in ds:  # a LUT wins over a window, as in pydicom (prefer_lut)
-        n, first, bits = (int(v) for v in ds.VOILUTSequence[0].LUTDescriptor)
-        n = n or 2 ** 16
-        # pydicom indexes the LUT in its entries' dtype: clip to the LUT's input range first, or values wrap
-        arr = np.clip(np.rint(arr), first, first + n - 1).astype(np.int64)
-        lo, hi = 0.0, float(2 ** bits - 1)  # the LUT's output range (PS3.3 C.11.2.1.1)
-        arr = np.asarray(voi_lut(arr, ds, index=0), dtype=np.float64)
-    elif has_voi(ds):
-        # The window's output range, read off the function itself: its values at the extremes.
-        lo, hi = (float(v) for v in voi_lut(np.array([-2.0 ** 31, 2.0 ** 31 - 1]), ds, index=0))
-        arr = np.asarray(voi_lut(arr, ds, index=0), dtype=np.float64)
-    if has_voi(ds):
-        # on the 0-255 scale of the 8-bit display images the bundles train on (a fixed-range bundle relies on it)
-        if hi != lo:
-            arr = np.clip((arr - lo) / (hi - lo), 0.0, 1.0) * 255.0
-        if photometric == "MONOCHROME1":
-            arr = 255.0 - arr
-    elif photometric == "MONOCHROME1":
-        arr = arr.max() + arr.min() - arr
-    return arr.astype(np.float32), ds
-
-
 class DicomReader(ImageReader):
     """MONAI image reader for DICOM files recognised by content (``is_dicom``), pixels from
-    ``read_dicom_image``. Arrays follow MONAI's 2D convention (x, y: PIL's and NIfTI's order), so
-    the same picture as PNG and as DICOM gives the same tensor."""
+    ``data.dicom.read_dicom_image`` (``window``: None = the file's own VOI). Arrays follow MONAI's
+    2D convention (x, y: PIL's and NIfTI's order), so the same picture as PNG and as DICOM gives the
+    same tensor, and a DICOM file reaches the network as the PNG ``fedlabels import`` made of it."""
+
+    def __init__(self, window=None):
+        super().__init__()
+        parse_window(window)  # an unknown window fails when the config is parsed, not per image
+        self.window = window
 
     def verify_suffix(self, filename) -> bool:
         names = [filename] if isinstance(filename, (str, os.PathLike)) else list(filename)
@@ -157,7 +92,7 @@ class DicomReader(ImageReader):
         return str(names[0])
 
     def get_data(self, img) -> tuple:
-        pixels, ds = read_dicom_image(img)
+        pixels, ds = read_dicom_image(img, self.window)
         data = np.swapaxes(pixels, 0, 1)  # rows, columns -> x, y
         spacing = [float(v) for v in getattr(ds, "PixelSpacing", None) or [1.0, 1.0]]
         affine = np.diag([spacing[1], spacing[0], 1.0, 1.0])  # x steps along a row: column spacing
@@ -172,12 +107,12 @@ class LoadImageOrDicomd(MapTransform):
     reader given, MONAI stops choosing the others by suffix and tries each in turn, so a PNG could
     reach another reader (and another axis order) than the one training used."""
 
-    def __init__(self, keys: KeysCollection, allow_missing_keys: bool = False):
+    def __init__(self, keys: KeysCollection, window=None, allow_missing_keys: bool = False):
         from monai.transforms import LoadImage
 
         super().__init__(keys, allow_missing_keys)
         self.default = LoadImage(image_only=True)
-        self.dicom = LoadImage(reader=DicomReader(), image_only=True)
+        self.dicom = LoadImage(reader=DicomReader(window), image_only=True)
 
     def __call__(self, data):
         d = dict(data)

@@ -296,6 +296,26 @@ def _inference_parser(bundle: Path, **overrides):
     return parser
 
 
+def _scenario_window(data):
+    """The ``dicom_window`` of scenario folder ``data`` (``fedlabels import --window``, ``prepare ich``), or None."""
+    import yaml
+
+    path = Path(data) / "scenario.yaml"
+    try:
+        meta = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    window = meta.get("dicom_window") if isinstance(meta, dict) else None
+    if window is not None:
+        from ..data.dicom import DicomError, parse_window
+
+        try:
+            parse_window(window)
+        except DicomError as e:
+            raise ValueError(f"{path}: field 'dicom_window': {e}") from None
+    return window
+
+
 def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = None, metrics: dict | None = None,
                   provenance: dict | None = None, check: bool = True, data=None, run=None, site_state=None,
                   network: dict | None = None, twin: str = "first") -> Path:
@@ -377,6 +397,12 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
                 infer["intensity"] = preset["intensity"]
         if class_names is not None:
             infer["class_names"] = [str(c) for c in class_names]
+        window = _scenario_window(data) if data is not None else None
+        if window is not None:  # the window the scenario's DICOM images were decoded with (data.dicom)
+            if "dicom_window" not in infer:
+                raise ValueError(f"{bundle}/configs/inference.json: no 'dicom_window' entry to carry the DICOM "
+                                 f"window {window!r} of scenario {data}")
+            infer["dicom_window"] = window
         if image_size is not None:
             infer["image_size"] = int(image_size)
         from ..nets import is_twin

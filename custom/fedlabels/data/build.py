@@ -362,6 +362,8 @@ def _scenario_meta(plan: Plan, seed: int, command, skipped) -> dict:
     if plan.task == "segmentation":
         meta["mask_values"] = ({"background": 0, plan.classes[0]: 255} if plan.mask_mode == "binary"
                                else {"background": 0, **{c: i + 1 for i, c in enumerate(plan.classes)}})
+    if plan.window is not None:  # DICOM decoded with this window: an exported bundle applies it too
+        meta["dicom_window"] = plan.window
     if plan.extra_tests:
         meta["extra_tests"] = {x.name: {"datalist": f"{x.name}/datalist.json", "annotated": list(x.annotated),
                                         "description": x.description} for x in plan.extra_tests}

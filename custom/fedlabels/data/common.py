@@ -262,9 +262,6 @@ class Progress(_Progress):
 # ------------------------------------------------------------------ images
 
 
-WINDOWS = {"brain": (40, 80), "subdural": (80, 200), "bone": (600, 2800)}
-
-
 def load_pixels(spec, window=None) -> np.ndarray:
     """Decode an image spec to an array (H, W) or (H, W, 3); raises PrepareError naming the file."""
     if isinstance(spec, np.ndarray):
@@ -279,10 +276,13 @@ def load_pixels(spec, window=None) -> np.ndarray:
     path = Path(spec)
     if not path.is_file():
         raise PrepareError(f"{path}: image file not found")
-    if path.suffix.lower() == ".dcm":
-        from .dicom import read_dicom_pixels
+    if path.suffix.lower() == ".dcm":  # a CT slice of the RSNA-ICH data (fedlabels prepare ich)
+        from .dicom import DicomError, read_dicom_image, rsna_ich_intercept
 
-        return window_ct(read_dicom_pixels(path), window or "brain")
+        try:
+            return read_dicom_image(path, window or "brain", fix=rsna_ich_intercept)[0]
+        except DicomError as e:
+            raise PrepareError(f"{path}: {e}") from None
     try:
         with Image.open(path) as im:
             im.load()
@@ -293,23 +293,6 @@ def load_pixels(spec, window=None) -> np.ndarray:
             return np.asarray(im)
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise PrepareError(f"{path}: corrupt or unreadable image ({e})") from None
-
-
-def window_ct(hu: np.ndarray, window) -> np.ndarray:
-    """Hounsfield units -> uint8 gray (one window) or RGB (brain/subdural/bone)."""
-    def one(w):
-        level, width = WINDOWS[w] if isinstance(w, str) else w
-        lo = level - width / 2
-        return (np.clip((hu - lo) / width, 0, 1) * 255).round().astype(np.uint8)
-
-    if window in ("multi", "rgb"):
-        return np.stack([one("brain"), one("subdural"), one("bone")], -1)
-    if isinstance(window, str) and "," in window:
-        level, width = (float(v) for v in window.split(","))
-        return one((level, width))
-    if isinstance(window, str) and window not in WINDOWS:
-        raise PrepareError(f"unknown CT window {window!r}; use one of {sorted(WINDOWS)}, 'multi' or 'LEVEL,WIDTH'")
-    return one(window)
 
 
 def to_uint8(arr: np.ndarray) -> np.ndarray:

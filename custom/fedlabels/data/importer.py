@@ -108,8 +108,9 @@ class Row:
 
 @dataclass(frozen=True)
 class DicomImage:
-    """A DICOM file that ``load_pixels`` decodes: modality values (slope and intercept applied,
-    MONOCHROME1 inverted), scaled between their 0.5 and 99.5 percentiles (``auto``) or by a CT window."""
+    """A DICOM file that ``load_pixels`` decodes with ``data.dicom.read_dicom_image``, the decoder an
+    exported bundle's inference uses too: as displayed (the file's VOI LUT or window, or ``window``),
+    on the 0-255 scale."""
 
     path: str
     window: str = "auto"
@@ -118,19 +119,12 @@ class DicomImage:
         return self.path
 
     def pixels(self) -> np.ndarray:
-        from .common import window_ct
-        from .dicom import _read
+        from .dicom import DicomError, read_dicom_image
 
-        ds, px = _read(self.path, pixels=True)
-        if (getattr(ds, "SamplesPerPixel", 1) or 1) != 1:
-            return np.asarray(px)  # colour (RGB) DICOM: as stored
-        px = px.astype(np.float32) * float(getattr(ds, "RescaleSlope", None) or 1.0) \
-            + float(getattr(ds, "RescaleIntercept", None) or 0.0)
-        if self.window != "auto":
-            return window_ct(px, self.window)
-        if str(getattr(ds, "PhotometricInterpretation", "")) == "MONOCHROME1":
-            px = px.max() + px.min() - px
-        return px
+        try:
+            return read_dicom_image(self.path, None if self.window == "auto" else self.window)[0]
+        except DicomError as e:
+            raise PrepareError(f"{self.path}: {e}") from None
 
 
 # ------------------------------------------------------------------ reading
@@ -248,9 +242,12 @@ class Importer:
         if args.size is not None and args.size < 1:
             raise PrepareError(f"--size must be a positive number of pixels, not {args.size}")
         if args.window != "auto":
-            from .common import window_ct
+            from .dicom import DicomError, parse_window
 
-            window_ct(np.zeros((1, 1), np.float32), args.window)  # an unknown window fails here, named
+            try:
+                parse_window(args.window)
+            except DicomError as e:
+                raise PrepareError(f"--window: {e}") from None
         self._sizes: dict = {}
         self.classes = self._classes()
         self.rows = self._rows()
@@ -518,7 +515,7 @@ class Importer:
             size = (args.size, args.size)
         else:
             size = next(iter(sizes)) if len(sizes) == 1 else None
-        channels = args.channels or (3 if any(r.color for r in self.rows) else 1)
+        channels = args.channels or (3 if any(r.color for r in self.rows) or args.window in ("multi", "rgb") else 1)
         window = args.window
 
         def case(r: Row) -> Case:
@@ -561,6 +558,7 @@ class Importer:
         name = args.name or Path(args.out).name
         return Plan(name, self.task, list(self.classes), channels, size, sites, [entry(r, True) for r in test] or None,
                     oracle=False, mask_mode=mask_mode, sources=[source], notes=notes, generator=GENERATOR,
+                    window=None if window == "auto" else window,
                     protocol={"name": "import", "csv": [str(t.path) for t in tables],
                               "test": "site 'test' rows" if any(r.site == TEST_SITE for r in self.rows)
                               else f"{args.test_fraction} of each site's fully labeled patients",
@@ -677,8 +675,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="drives the splits (default 0)")
     p.add_argument("--size", type=int, help="resize every image to N x N pixels (default: keep their size)")
     p.add_argument("--channels", type=int, choices=[1, 3], help="default: 3 if any image is in colour, else 1")
-    p.add_argument("--window", default="auto", help="DICOM: auto (0.5-99.5 percentiles) | brain | subdural | bone | "
-                   "LEVEL,WIDTH")
+    p.add_argument("--window", default="auto", help="DICOM: auto (the file's own VOI LUT or window; without one, "
+                   "the image's range) | brain | subdural | bone | multi | LEVEL,WIDTH; an exported bundle applies the "
+                   "same (its inference config's dicom_window)")
     p.add_argument("--name", help="scenario name (default: the --out folder's name)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out that fedlabels import did not write")
     p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1), help="image conversion processes")
