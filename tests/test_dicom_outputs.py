@@ -38,6 +38,7 @@ from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import (ComputedRadiographyImageStorage, CTImageStorage, ExplicitVRLittleEndian,
                          VLPhotographicImageStorage, generate_uid)
 
+import dciodvfy
 from fedlabels import cli
 from fedlabels.bundle import bundle_path
 from fedlabels.bundle import data as bundle_data
@@ -232,6 +233,7 @@ def test_multiclass_sr_decides_the_most_probable_class_and_non_dicom_inputs_give
     classes = json.loads((exp / "configs" / "metadata.json").read_text())["class_names"]
     srs = _dicom_outputs(tmp_path / "out")
     assert [p.name for p in srs] == [f"sr_{study}.dcm"]
+    dciodvfy.check(srs)
     groups = hd.sr.srread(srs[0]).content.get_image_measurement_groups()
     assert len(groups) == 2
     for group in groups:
@@ -350,6 +352,7 @@ def test_a_federated_classification_run_reports_dicom_findings_as_a_structured_r
 
     written = _dicom_outputs(out)
     assert [p.name for p in written] == sorted([f"sr_{study_a}.dcm", f"sr_{study_b}.dcm"])
+    dciodvfy.check(written)
     path_of = {sop: name for name, sop in sops.items()}
     for path, study, names in ((out / "dicom" / f"sr_{study_a}.dcm", study_a, ["IM0001", "IM0002", "IM0003.dcm"]),
                                (out / "dicom" / f"sr_{study_b}.dcm", study_b, ["1.2.3.4"])):
@@ -369,8 +372,12 @@ def test_a_federated_classification_run_reports_dicom_findings_as_a_structured_r
                 m = measured[f"Probability of {c}"]
                 assert m.value == pytest.approx(float(rows[name][c]), abs=1e-6)
                 assert m.referenced_images[0].referenced_sop_instance_uid == sops[name]
-            decided = {q.name.meaning: q.value.meaning for q in group.get_qualitative_evaluations()}
-            expected = {c: "Present" if rows[name][f"{c}_positive"] == "1" else "Absent"
+            # each finding under its standard code (SNOMED CT, the bundle's class_codes)
+            decided = {(q.name.scheme_designator, q.name.value): q.value.meaning
+                       for q in group.get_qualitative_evaluations()}
+            coded = {c: (meta["class_codes"][c]["scheme"], meta["class_codes"][c]["code"]) for c in classes}
+            assert all(scheme == "SCT" for scheme, _ in coded.values())
+            expected = {coded[c]: "Present" if rows[name][f"{c}_positive"] == "1" else "Absent"
                         for c in classes if rows[name][f"{c}_positive"] != ""}  # no threshold: no decision
             assert decided == expected and expected, name
             alg = _algorithm_params(_walk(group[0].ContentSequence))
@@ -414,6 +421,7 @@ def test_a_fedmix_segmentation_run_writes_dicom_seg_equal_to_its_png_masks(runs,
     _infer_dicom(exp, inputs, out)
     written = _dicom_outputs(out)
     assert [p.name for p in written] == sorted([f"seg_{ct_series}.dcm", f"seg_{sops['photo.dcm']}.dcm"])
+    dciodvfy.check(written)
     # PNG inputs keep their PNG masks; DICOM inputs get the SEG instead of a mask file
     assert sorted(p.name for p in out.glob("*_seg.*")) == ["colour2_seg.png", "grey0_seg.png", "grey1_seg.png"]
     cut = meta["decision_thresholds"]["lesion"]
@@ -426,6 +434,8 @@ def test_a_fedmix_segmentation_run_writes_dicom_seg_equal_to_its_png_masks(runs,
         assert sorted(referenced) == sorted(sops[n] for n in names)
         segment = ds.SegmentSequence[0]
         assert segment.SegmentLabel == "lesion" and segment.SegmentAlgorithmType == "AUTOMATIC"
+        kind = segment.SegmentedPropertyTypeCodeSequence[0]
+        assert (kind.CodingSchemeDesignator, kind.CodeValue, kind.CodeMeaning) == ("SCT", "52988006", "Lesion")
         alg = segment.SegmentationAlgorithmIdentificationSequence[0]
         assert alg.AlgorithmName == meta["name"] and alg.AlgorithmVersion == meta["version"]
         assert "method=fedmix" in alg.AlgorithmParameters and "rounds=2" in alg.AlgorithmParameters
@@ -439,3 +449,176 @@ def test_a_fedmix_segmentation_run_writes_dicom_seg_equal_to_its_png_masks(runs,
     # the comparison above means something: the masks hold lesion and background
     assert any(0 < (np.asarray(Image.open(p)) > 0).mean() < 1 for p in out.glob("*_seg.png"))
 
+
+# ------------------------------------------------- codes, and dciodvfy on every object
+
+
+def _sources(folder) -> dict:
+    """A CR radiograph, a colour photograph (no patient coordinates) and a two-slice CT series."""
+    folder.mkdir(parents=True, exist_ok=True)
+    study, rng = generate_uid(), np.random.default_rng(5)
+    write_image(folder / "cr", rng.integers(0, 4000, (16, 16)), study, generate_uid(), center=2000, width=4000,
+                sop_class=ComputedRadiographyImageStorage)
+    write_image(folder / "photo", rng.integers(0, 256, (16, 16, 3)), study, generate_uid())
+    series, frame = generate_uid(), generate_uid()
+    for k in range(2):
+        write_image(folder / f"ct{k}", rng.integers(0, 2000, (16, 16)), study, series, instance=k + 1, geometry=True,
+                    frame_of_reference=frame, slope=1, intercept=-1024)
+    from fedlabels.bundle.dicom import _header
+
+    return {p.name: _header(p) for p in folder.iterdir()}
+
+
+def _codes_of(ds) -> set:
+    return {(item.CodingSchemeDesignator, item.CodeValue) for item in _walk_all(ds) if "CodeValue" in item}
+
+
+def _walk_all(ds):
+    for elem in ds:
+        if elem.VR == "SQ":
+            for item in elem.value:
+                yield item
+                yield from _walk_all(item)
+
+
+def test_seg_and_sr_carry_the_bundles_standard_codes_and_dciodvfy_finds_no_error(tmp_path):
+    """The shipped bundles' classes under their SNOMED CT codes (metadata.json's class_codes) in SR findings
+    and SEG segment types; a class without a code (medmnist_cnn's synthetic shapes) and a hospital's own
+    scheme keep private codes, each object declaring its private schemes (CodingSchemeIdentificationSequence);
+    the SEG of a photograph has PatientOrientation; dciodvfy reports no error on any of them."""
+    from fedlabels.bundle.dicom import ClassCodes, DicomSegWriter, DicomSRWriter
+
+    dciodvfy.require_dciodvfy()
+    src = _sources(tmp_path / "in")
+    out = tmp_path / "out"
+    written = []
+
+    cxr = json.loads((bundle_path("cxr_resnet18") / "configs" / "metadata.json").read_text())
+    classes = cxr["class_names"]
+    probs = [0.1, 0.7, 0.2, 0.9, 0.3, 0.6]
+    sr = DicomSRWriter(out, classes, metadata=cxr, thresholds={c: 0.5 for c in classes}).report([src["cr"]], [probs])
+    written.append(bundle_dicom_save(sr, out / "cxr_sr.dcm"))
+    found = {(q.name.scheme_designator, q.name.value): q.value.meaning
+             for q in hd.sr.srread(written[-1]).content.get_image_measurement_groups()[0].get_qualitative_evaluations()}
+    assert found == {("SCT", "409609008"): "Absent", ("SCT", "60046008"): "Present", ("SCT", "46621007"): "Absent",
+                     ("SCT", "27925004"): "Present", ("SCT", "95436008"): "Absent", ("SCT", "36118008"): "Present"}
+    # the probabilities keep the private code (no standard concept names "probability of <finding>"): declared
+    schemes = {i.CodingSchemeDesignator: i for i in pydicom.dcmread(written[-1]).CodingSchemeIdentificationSequence}
+    assert list(schemes) == ["99FEDLABELS"] and schemes["99FEDLABELS"].CodingSchemeResponsibleOrganization
+
+    lesion = json.loads((bundle_path("lesion_unet") / "configs" / "metadata.json").read_text())
+    seg_writer = DicomSegWriter(out, ["lesion"], metadata=lesion)
+    mask = np.zeros((16, 16, 1), bool)
+    mask[3:9, 4:12] = True
+    for name, sources in (("photo_seg.dcm", [src["photo"]]), ("ct_seg.dcm", [src["ct0"], src["ct1"]])):
+        seg = seg_writer.segmentation(sources, [mask] * len(sources))
+        written.append(bundle_dicom_save(seg, out / name))
+        ds = pydicom.dcmread(written[-1])
+        segment = ds.SegmentSequence[0]
+        assert (segment.SegmentedPropertyTypeCodeSequence[0].CodingSchemeDesignator,
+                segment.SegmentedPropertyTypeCodeSequence[0].CodeValue) == ("SCT", "52988006")
+        assert segment.SegmentedPropertyCategoryCodeSequence[0].CodeValue == "49755003"
+        assert "CodingSchemeIdentificationSequence" not in ds  # standard codes only: nothing to declare
+        assert ("PatientOrientation" in ds) == (name == "photo_seg.dcm")  # Type 2C: no patient coordinates
+
+    # a hospital maps a class to a DICOM code and another to its own scheme; a class left unmapped stays private
+    own = {"class_codes": {"disc": {"code": "112178", "scheme": "DCM", "meaning": "Coin"},
+                           "ring": {"code": "R-17", "scheme": "99STMARY", "meaning": "Ring artefact"}},
+           "coding_schemes": {"99STMARY": {"name": "St Mary imaging findings",
+                                           "responsible_organization": "St Mary Hospital"}}}
+    shapes = ["disc", "ring", "square"]
+    sr = DicomSRWriter(out, shapes, metadata=own, decision="argmax").report([src["photo"]], [[0.2, 0.5, 0.3]])
+    written.append(bundle_dicom_save(sr, out / "own_sr.dcm"))
+    ds = pydicom.dcmread(written[-1])
+    assert {("DCM", "112178"), ("99STMARY", "R-17"), ("99FEDLABELS", "square")} <= _codes_of(ds)
+    assert sorted(i.CodingSchemeDesignator for i in ds.CodingSchemeIdentificationSequence) == ["99FEDLABELS",
+                                                                                               "99STMARY"]
+    seg = DicomSegWriter(out, shapes, metadata=own).segmentation([src["photo"]], [np.repeat(mask, 3, -1)])
+    written.append(bundle_dicom_save(seg, out / "own_seg.dcm"))
+
+    reports = dciodvfy.check(written)
+    assert len(reports) == len(written) == 5
+    print("\n".join(f"dciodvfy {p.name}:\n{r}" for p, r in zip(written, reports)))
+
+    # a malformed mapping is one error naming the file and the field
+    with pytest.raises(ValueError, match=r"metadata.json: field 'class_codes.ring': scheme '99OTHER' is neither"):
+        ClassCodes({"class_codes": {"ring": {"code": "1", "scheme": "99OTHER", "meaning": "x"}}}, shapes)
+    with pytest.raises(ValueError, match=r"metadata.json: field 'class_codes': codes for unknown classes \['star'\]"):
+        ClassCodes({"class_codes": {"star": {"code": "1", "scheme": "SCT", "meaning": "x"}}}, shapes)
+    with pytest.raises(ValueError, match=r"metadata.json: field 'class_codes.disc': expected"):
+        ClassCodes({"class_codes": {"disc": {"code": "1"}}}, shapes)
+
+
+def bundle_dicom_save(ds, path) -> Path:
+    from fedlabels.bundle.dicom import _save
+
+    return _save(ds, Path(path))
+
+
+# ------------------------------------------------- docs/clinical-bundle.md, as written
+
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "clinical-bundle.md"
+
+
+def _guide_commands() -> list:
+    import re
+    import shlex
+
+    text = GUIDE.read_text()
+    lines = [line.strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+             for line in block.replace("\\\n", " ").splitlines()]
+    return [shlex.split(line) for line in lines if line and not line.startswith("#")]
+
+
+def test_the_guides_class_codes_example_is_what_the_writers_read():
+    """The metadata example of docs/clinical-bundle.md, given to a chest X-ray bundle's classes: SNOMED CT for
+    effusion, the hospital's declared scheme for nodule, the private default for the others."""
+    import re
+
+    from fedlabels.bundle.dicom import ClassCodes
+
+    (example,) = re.findall(r"```json\n(.*?)```", GUIDE.read_text(), re.S)
+    classes = json.loads((bundle_path("cxr_resnet18") / "configs" / "metadata.json").read_text())["class_names"]
+    codes = ClassCodes(json.loads(example), classes)
+    assert (codes.finding["effusion"].scheme_designator, codes.finding["effusion"].value) == ("SCT", "60046008")
+    assert (codes.finding["nodule"].scheme_designator, codes.finding["nodule"].value) == ("99STMARY", "N-12")
+    assert codes.finding["pneumothorax"].scheme_designator == "99FEDLABELS"
+    assert [i.CodingSchemeDesignator for i in codes.declarations(["SCT", "99STMARY", "99FEDLABELS"])] == \
+        ["99FEDLABELS", "99STMARY"]
+
+
+@pytest.mark.simulator
+def test_the_clinical_bundle_guide_runs_as_written(job_runs, data, tmp_path):  # noqa: F811
+    """Every command of docs/clinical-bundle.md, its placeholders filled in: the export of a FedAvg run, its
+    inference on PNG and DICOM inputs, the DICOM objects (dciodvfy), and a FedBN hospital's own export."""
+    run_dir, _ = job_runs("fedavg_cxr")
+    fedbn_dir, _ = job_runs("fedbn_cxr")
+    state = fedbn_dir.parents[2] / "ws.state" / json.loads((fedbn_dir / "progress.json").read_text())["run"]
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    src = sorted((Path(data) / "test" / "images").glob("*.png"))[:2]
+    study, series = generate_uid(), generate_uid()
+    for k, f in enumerate(src):
+        pic = full_range(np.asarray(Image.open(f)))
+        Image.fromarray(pic).save(inputs / f"p{k}.png")
+        write_image(inputs / f"IM{k}", pic, study, series, instance=k + 1, sop_class=ComputedRadiographyImageStorage)
+    places = {"RESULT/workspace": str(run_dir), "SCENARIO": str(data), "/images": str(inputs),
+              "/dicom/incoming": str(inputs), "RUN": str(fedbn_dir),
+              "fedlabels_state/RUN_NAME/hospital-a": str(state / "site-1")}
+    commands = _guide_commands()
+    assert [c[:2] for c in commands] == [["fedlabels", "export"], ["python", "-m"], ["python", "-m"],
+                                         ["fedlabels", "export"]], commands
+    for k, argv in enumerate(commands):
+        argv = [places.get(a, f"predictions-{k}" if a == "/predictions" else a) for a in argv]
+        if argv[0] == "fedlabels":
+            assert subprocess.run([sys.executable, "-m", "fedlabels.cli", *argv[1:]], cwd=tmp_path, env=ENV,
+                                  capture_output=True, text=True, timeout=600).returncode == 0, argv
+        else:
+            proc = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, env=ENV, capture_output=True,
+                                  text=True, timeout=600)
+            assert proc.returncode == 0, (argv, proc.stderr[-3000:])
+    assert len(_csv(tmp_path / "predictions-1" / "predictions.csv")) == 4  # two PNGs, two DICOMs
+    srs = _dicom_outputs(tmp_path / "predictions-2")
+    assert [p.name for p in srs] == [f"sr_{study}.dcm"]
+    dciodvfy.check(srs)
+    assert (tmp_path / "deploy" / "hospital-a" / "models" / "model.pt").is_file()

@@ -38,8 +38,14 @@ from ..data.dicom import DicomError, has_voi, parse_window, read_dicom_image  # 
 
 logger = logging.getLogger("fedlabels.bundle")
 
-# Private coding scheme for the bundle's own class names (DICOM PS3.16 8.2: private schemes start with 99).
+# Private coding scheme for what no standard code names: a class without a code in the bundle's metadata
+# (its name), and the probability of a class (DICOM PS3.16 8.2: private schemes start with 99; each object
+# using one declares it in its CodingSchemeIdentificationSequence, PS3.3 C.12.1.1.4).
 SCHEME = "99FEDLABELS"
+PRIVATE_SCHEMES = {SCHEME: {"name": "fedlabels class names and probabilities", "responsible_organization": "fedlabels"}}
+# Schemes DICOM defines (PS3.16 Table 8-1) that need no declaration in an object.
+STANDARD_SCHEMES = ("SCT", "DCM", "UCUM", "LN", "RADLEX", "NCIt", "FMA", "UMLS", "MSH", "ICD10", "SRT")
+CODE_KEYS = ("code", "scheme", "meaning")
 SEG_SERIES_NUMBER, SR_SERIES_NUMBER = 9901, 9902
 # Type 2 attributes highdicom copies from a source image; a missing one is written empty.
 TYPE2 = ("PatientName", "PatientID", "PatientBirthDate", "PatientSex", "AccessionNumber", "StudyID", "StudyDate",
@@ -173,6 +179,7 @@ class _DicomResults:
         unknown = sorted(set(self.thresholds) - set(self.class_names))
         if unknown:
             raise ValueError(f"decision thresholds for unknown classes {unknown}; classes are {self.class_names}")
+        self.codes = ClassCodes(self.metadata, self.class_names)  # a malformed entry fails here, at parse time
         self.pred_key, self.image_key = pred_key, image_key
         self.results: dict = {}
         self.written: list = []
@@ -239,10 +246,87 @@ class _DicomResults:
         raise NotImplementedError
 
 
-def _concept(name: str):
-    import highdicom as hd
+class ClassCodes:
+    """Each class's code, from the bundle's ``metadata.json``:
 
-    return hd.sr.CodedConcept(value=name, scheme_designator=SCHEME, meaning=name[:64])
+    * ``class_codes``: ``{class: {"code", "scheme", "meaning", "source", ["category": {"code", "scheme",
+      "meaning"}]}}`` -- a standard code (SNOMED CT ``SCT`` where one exists, DICOM ``DCM``, RadLex
+      ``RADLEX``) or a private one (scheme ``99...``); ``category`` is a SEG segment's property category
+      (default: SNOMED CT 49755003 Morphologically abnormal structure);
+    * ``coding_schemes``: ``{designator: {"name", "responsible_organization"}}`` for private schemes.
+
+    A class without a code gets its name in the private scheme ``99FEDLABELS``. ``declarations(used)``
+    is the CodingSchemeIdentificationSequence an object using those schemes carries. A malformed
+    entry raises ``ValueError`` naming ``metadata.json`` and the field."""
+
+    def __init__(self, metadata: dict, class_names: list):
+        import highdicom as hd
+        from pydicom.sr.codedict import codes
+
+        where = "metadata.json"
+        self.schemes = dict(PRIVATE_SCHEMES)
+        declared = metadata.get("coding_schemes") or {}
+        if not isinstance(declared, dict):
+            raise ValueError(f"{where}: field 'coding_schemes': expected {{designator: {{name, "
+                             "responsible_organization}}}}")
+        for designator, info in declared.items():
+            if not (isinstance(info, dict) and info.get("name") and info.get("responsible_organization")):
+                raise ValueError(f"{where}: field 'coding_schemes.{designator}': expected its 'name' and "
+                                 "'responsible_organization'")
+            self.schemes[str(designator)] = info
+        given = metadata.get("class_codes") or {}
+        if not isinstance(given, dict):
+            raise ValueError(f"{where}: field 'class_codes': expected {{class: {{code, scheme, meaning}}}}")
+        unknown = sorted(set(given) - set(class_names))
+        if unknown:
+            raise ValueError(f"{where}: field 'class_codes': codes for unknown classes {unknown}; classes are "
+                             f"{list(class_names)}")
+        self.finding, self.category = {}, {}
+        for name in class_names:
+            entry = given.get(name)
+            if entry is None:
+                self.finding[name] = hd.sr.CodedConcept(value=name[:64], scheme_designator=SCHEME, meaning=name[:64])
+                self.category[name] = codes.SCT.MorphologicallyAbnormalStructure
+                continue
+            self.finding[name] = self._coded(entry, f"{where}: field 'class_codes.{name}'")
+            cat = entry.get("category")
+            self.category[name] = (self._coded(cat, f"{where}: field 'class_codes.{name}.category'") if cat
+                                   else codes.SCT.MorphologicallyAbnormalStructure)
+
+    def _coded(self, entry, where: str):
+        import highdicom as hd
+
+        if not isinstance(entry, dict) or any(not entry.get(k) for k in CODE_KEYS):
+            raise ValueError(f"{where}: expected {{'code', 'scheme', 'meaning'}}, not {entry!r}")
+        scheme = str(entry["scheme"])
+        if scheme not in STANDARD_SCHEMES and scheme not in self.schemes:
+            raise ValueError(f"{where}: scheme {scheme!r} is neither a DICOM standard scheme {list(STANDARD_SCHEMES)} "
+                             "nor declared in the field 'coding_schemes'")
+        return hd.sr.CodedConcept(value=str(entry["code"]), scheme_designator=scheme, meaning=str(entry["meaning"])[:64])
+
+    def declarations(self, used) -> list:
+        """CodingSchemeIdentificationSequence items for the private schemes among ``used``."""
+        from pydicom.dataset import Dataset
+
+        items = []
+        for designator in sorted(set(used)):
+            if designator in STANDARD_SCHEMES:
+                continue
+            info = self.schemes[designator]
+            item = Dataset()
+            item.CodingSchemeDesignator = designator
+            item.CodingSchemeName = str(info["name"])[:64]
+            item.CodingSchemeResponsibleOrganization = str(info["responsible_organization"])[:64]
+            items.append(item)
+        return items
+
+
+def _declare(ds, codes: ClassCodes, used) -> None:
+    from pydicom.sequence import Sequence
+
+    items = codes.declarations(used)
+    if items:
+        ds.CodingSchemeIdentificationSequence = Sequence(items)
 
 
 class DicomSegWriter(_DicomResults):
@@ -304,8 +388,9 @@ class DicomSegWriter(_DicomResults):
                                                        version=alg["version"], source="fedlabels", parameters=params)
             segments.append(hd.seg.SegmentDescription(
                 segment_number=i + 1, segment_label=name[:64],
-                segmented_property_category=codes.SCT.MorphologicallyAbnormalStructure,
-                segmented_property_type=_concept(name), algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC,
+                segmented_property_category=self.codes.category[name],
+                segmented_property_type=self.codes.finding[name],
+                algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC,
                 algorithm_identification=ident))
         seg = hd.seg.Segmentation(
             source_images=sources, pixel_array=np.stack(masks).astype(np.uint8),
@@ -316,6 +401,15 @@ class DicomSegWriter(_DicomResults):
             content_description="AI segmentation, unverified; not a diagnosis", content_label="AI_SEG",
             omit_empty_frames=False)  # a frame per source image, empty or not: the SEG says what was looked at
         seg.SeriesDescription = f"{alg['name']} segmentation (AI, unverified)"[:64]
+        from highdicom.spatial import get_image_coordinate_system
+
+        if get_image_coordinate_system(sources[0]) is None:
+            # no patient coordinates (a photograph): the General Image module's Type 2C PatientOrientation,
+            # the source image's (empty when it has none)
+            orientation = sources[0].get("PatientOrientation")
+            seg.PatientOrientation = orientation if orientation else None
+        _declare(seg, self.codes, [self.codes.finding[c].scheme_designator for c in self.class_names]
+                 + [self.codes.category[c].scheme_designator for c in self.class_names])
         return seg
 
 
@@ -389,7 +483,7 @@ class DicomSRWriter(_DicomResults):
                 name=hd.sr.CodedConcept(value=f"p:{c}", scheme_designator=SCHEME, meaning=f"Probability of {c}"[:64]),
                 value=round(float(v), 6), unit=codes.UCUM.NoUnits, algorithm_id=ident, referenced_images=image)
                 for c, v in zip(self.class_names, p)]
-            evaluations = [hd.sr.QualitativeEvaluation(name=_concept(c),
+            evaluations = [hd.sr.QualitativeEvaluation(name=self.codes.finding[c],
                                                         value=codes.SCT.Present if decided[c] else codes.SCT.Absent)
                            for c in self.class_names if c in decided]
             groups.append(hd.sr.MeasurementsAndQualitativeEvaluations(
@@ -405,7 +499,9 @@ class DicomSRWriter(_DicomResults):
             sop_instance_uid=hd.UID(), instance_number=1, manufacturer="fedlabels",
             is_complete=True, is_final=False, is_verified=False)  # preliminary and unverified: no person has read it
         sr.SeriesDescription = f"{alg['name']} findings (AI, unverified)"[:64]
+        _declare(sr, self.codes, [SCHEME] + [self.codes.finding[c].scheme_designator for c in self.class_names])
         return sr
 
 
-__all__ = ["is_dicom", "read_dicom_image", "DicomReader", "LoadImageOrDicomd", "DicomSegWriter", "DicomSRWriter"]
+__all__ = ["is_dicom", "read_dicom_image", "DicomReader", "LoadImageOrDicomd", "ClassCodes", "DicomSegWriter",
+           "DicomSRWriter"]

@@ -501,6 +501,8 @@ def _update_metadata(meta, names, image_size, in_channels, metrics, provenance, 
     else:
         pred["spatial_shape"] = [int(image_size), int(image_size)]
     meta["class_names"] = list(names)
+    if "class_codes" in meta:  # the standard codes of the classes this model predicts (bundle.dicom.ClassCodes)
+        meta["class_codes"] = {c: code for c, code in meta["class_codes"].items() if c in names}
     if metrics:
         meta["eval_metrics"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     meta["provenance"] = {
