@@ -86,6 +86,7 @@ def test_multilabel_with_blanks_validates_and_benches(tmp_path, capsys):
     out = tmp_path / "scen"
     printed = imported(capsys, labels, "--out", out)
     assert "site-1" in printed and "site-2" in printed and f"wrote {out}" in printed
+    assert sorted(p.name for p in out.parent.iterdir()) == ["data", "scen"]  # no lock file left behind
 
     rc, table, err = fedlabels(capsys, "validate", out)
     assert rc == 0, err
@@ -329,6 +330,10 @@ def _broken(kind, root):
     if kind == "same image twice":
         _set(rows, 8, "image", "i0.png")
         return rows, [], 8, "image", "the same image as labels.csv row 2"
+    if kind == "site column missing":  # several hospitals' rows would merge into one site named after the file
+        rows = [[c for j, c in enumerate(r) if j != 1] for r in rows]
+        return rows, [], 1, "site", "missing: name each row's hospital (or 'test') in a 'site' column, or give " \
+            "the whole file to one site as SITE=labels.csv"
     if kind == "blank site":
         _set(rows, 3, "site", "")
         return rows, [], 3, "site", "blank"
@@ -366,7 +371,7 @@ def _broken(kind, root):
 
 
 BROKEN = ["missing image", "unreadable image", "unknown site", "label not 0/1/blank", "class column missing",
-          "same image twice", "blank site", "test row not fully labeled", "split leaves no training data",
+          "same image twice", "site column missing", "blank site", "test row not fully labeled", "split leaves no training data",
           "mask missing", "mask of another size", "box outside the image", "box not four numbers",
           "multiclass: unknown class", "multiclass: label column missing"]
 
@@ -438,3 +443,31 @@ def test_documented_example_runs(tmp_path, capsys, monkeypatch):
     sc = load_scenario(tmp_path / out_dir)
     assert len(sc.sites) == 2 and sc.test
     assert list(sc.sites) == ["hospital-a", "hospital-b"]
+
+
+def test_the_lock_file_goes_and_writers_still_exclude_each_other(tmp_path):
+    """The lock beside a scenario folder is removed when its writer is done; a writer waiting on it
+    meanwhile locks afresh, after the first has finished (never two at once)."""
+    import threading
+    import time
+
+    from fedlabels.data.build import _lock, _unlock
+
+    out = tmp_path / "scen"
+    first = _lock(out)
+    order = []
+
+    def second():
+        held = _lock(out)
+        order.append("second locked")
+        time.sleep(0.1)
+        _unlock(held)
+
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    time.sleep(0.3)
+    order.append("first done")
+    _unlock(first)
+    waiter.join(10)
+    assert order == ["first done", "second locked"]
+    assert list(tmp_path.iterdir()) == []

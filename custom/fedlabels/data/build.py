@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import multiprocessing as mp
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,14 +168,33 @@ def _run_jobs(jobs, workers, say, skip_bad):
 
 
 def _lock(out: Path):
+    """An exclusive lock on ``.<out name>.lock`` beside ``out``, for the time one writer prepares ``out``;
+    ``_unlock`` removes the file. A writer that was waiting on a file its holder removed locks the new one."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    f = open(out.parent / f".{out.name}.lock", "w")
-    fcntl.flock(f, fcntl.LOCK_EX)
+    path = out.parent / f".{out.name}.lock"
+    while True:
+        f = open(path, "a")
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()  # removed (and maybe made anew) while we waited: lock the file that is there now
     # Under the lock nobody else prepares this folder: leftovers of a killed
     # run (scenario_writer's temporary folders) can go.
     for stale in out.parent.glob(f"{out.name}.partial-*"):
         shutil.rmtree(stale, ignore_errors=True)
     return f
+
+
+def _unlock(f) -> None:
+    """Remove the lock file (still holding it, so no writer locks a file that is going), then release it."""
+    try:
+        os.unlink(f.name)
+    except FileNotFoundError:
+        pass
+    f.close()
 
 
 def write_plan(plan: Plan, out, seed: int, workers: int = 1, say=None, skip_bad: bool = False,
@@ -292,7 +312,7 @@ def write_plan(plan: Plan, out, seed: int, workers: int = 1, say=None, skip_bad:
         say(text.rstrip())
         say(f"wrote {out}")
     finally:
-        lock.close()
+        _unlock(lock)
     return out
 
 

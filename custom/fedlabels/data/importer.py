@@ -8,8 +8,8 @@ One row per image. Columns (header names, any case; other columns are ignored
 unless they are class columns of a multi-label CSV):
 
   image      path of the image (PNG, JPEG, BMP, TIFF or DICOM), relative to the CSV's folder
-  site       which hospital holds it; 'test' = the held-out, fully labeled test set. Without
-             the column the site comes from SITE=FILE, else the CSV's file name
+  site       which hospital holds it; 'test' = the held-out, fully labeled test set. A CSV
+             without the column is one site's, given as SITE=FILE (otherwise it is refused)
   patient    optional: a patient's images stay in one split (ids are per site)
   multi-label:  one column per class: 1, 0, or blank (-1) = not annotated for this image
   multi-class:  label = the class name, blank = unlabeled
@@ -356,8 +356,11 @@ class Importer:
                 raise RowError(t.path, n, col, "blank: every row names its site (or 'test')")
             if t.site is not None and site != t.site:
                 raise RowError(t.path, n, col, f"site {site!r} in a file given as {t.site}={t.path.name}")
-        else:
-            site, col = (t.site or t.path.stem), None
+        elif t.site is not None:
+            site, col = t.site, None
+        else:  # never guessed from the file's name: a hospital's rows must not merge into one site silently
+            raise RowError(t.path, 1, SITE_COLUMN, "missing: name each row's hospital (or 'test') in a 'site' "
+                           f"column, or give the whole file to one site as SITE={t.path.name}")
         if site != TEST_SITE:
             if not SITE_NAME.match(site):
                 raise RowError(t.path, n, col, f"{site!r} is not a site name (letters, digits, '-', '_', '.')")
