@@ -333,3 +333,13 @@ def test_project_unlabeled_client_equals_the_reference_over_two_rounds():
         # the next round starts from a moved model, so a carried momentum buffer matters
         weights = {k: np.asarray(v) + 0.05 for k, v in sent.items()}
     assert not np.allclose(sent["weight"], start["weight"])
+
+
+def test_a_diverged_site_is_left_out_of_its_group():
+    sites = stubs()
+    sites[2].delta = float("nan")  # U2 diverges: W_u is U1's model alone (1.0), the labeled site trains from it
+    dropped = []
+    new = ref.one_round("isofed", sites, {"w": t([0.0])}, SCALE0, None, dropped=dropped)
+    assert dropped == ["U2"] and sites[0].seen == [1.0] and new["w"].item() == pytest.approx(11.0)
+    every = [Stub("L1", True, 10, float("nan"))]
+    assert ref.one_round("wfedavg", every, {"w": t([3.0])}, SCALE0, None)["w"].item() == 3.0  # start kept

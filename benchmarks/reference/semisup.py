@@ -269,14 +269,27 @@ class Site:
         return {k: v.detach().clone() for k, v in self.net.state_dict().items()}
 
 
-def one_round(method: str, sites: list, weights: dict, s: dict, gen) -> dict:
-    """One round of ``method`` from the global ``weights``; returns the new global weights."""
+def finite(state: dict) -> bool:
+    return all(bool(torch.isfinite(torch.as_tensor(v)).all()) for v in state.values())
+
+
+def one_round(method: str, sites: list, weights: dict, s: dict, gen, dropped: list | None = None) -> dict:
+    """One round of ``method`` from the global ``weights``; returns the new global weights.
+
+    A site whose trained model is not finite (its training diverged) is left out of its group's aggregate and
+    named in ``dropped``; a group with no finite model leaves its start model unchanged (the reference's
+    choice: the papers do not say)."""
     labeled = [t for t in sites if t.labeled]
     unlabeled = [t for t in sites if not t.labeled]
 
     def group(members, start, scale):
-        states = [t.train(start, method, gen) for t in members]
-        return wfedavg(states, [t.n for t in members], scale, s["distance"])
+        trained = [(t, t.train(start, method, gen)) for t in members]
+        kept = [(t, st) for t, st in trained if finite(st)]
+        if dropped is not None:
+            dropped.extend(getattr(t, "name", str(i)) for i, (t, st) in enumerate(trained) if not finite(st))
+        if not kept:
+            return start
+        return wfedavg([st for _, st in kept], [t.n for t, _ in kept], scale, s["distance"])
 
     if method in ("isofed", "isofed_nopt"):
         w_u = group(unlabeled, weights, s["dist_scale"]) if unlabeled else weights
@@ -325,13 +338,20 @@ def run(data, method: str, rounds: int, eval_rounds, seed: int = 0, oracle: bool
     global_net = make_net()
     weights = {k: v.clone() for k, v in global_net.state_dict().items()}
     sites = [Site(x, y, lab, make_net, s) for x, y, lab in raw]
-    out, seconds = {}, []
+    for i, site in enumerate(sites):
+        site.name = f"site-{i + 1}"
+    out, seconds, dropped = {}, [], {}
     for rnd in range(1, rounds + 1):
         t0 = time.perf_counter()
-        weights = one_round(method, sites, weights, s, gen)
+        lost = []
+        weights = one_round(method, sites, weights, s, gen, dropped=lost)
         seconds.append(time.perf_counter() - t0)
+        if lost:
+            dropped[rnd] = lost
+            log(f"[reference] {method} seed {seed} round {rnd}: non-finite model from {lost}, left out")
         if rnd in eval_rounds:
             global_net.load_state_dict(weights)
             out[rnd] = test_metrics(global_net, *test, classes)
             log(f"[reference] {method} seed {seed} round {rnd}: {out[rnd]}")
-    return {"metrics": out, "seconds_per_round": float(np.mean(seconds)), "seconds": seconds, "settings": s}
+    return {"metrics": out, "seconds_per_round": float(np.mean(seconds)), "seconds": seconds, "settings": s,
+            "dropped": dropped}
