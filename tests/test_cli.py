@@ -162,11 +162,31 @@ def test_check_scenario_only_for_commands_with_data(scenarios):
 
 
 def test_flare_commands_are_registered_only_when_needed():
-    assert cli._needs_flare([]) and cli._needs_flare(["--help"]) and cli._needs_flare(["simulate", "x"])
+    assert cli._needs_flare([]) == cli._needs_flare(["--help"]) == cli.LISTING and cli._needs_flare(["simulate", "x"])
     assert not cli._needs_flare(["train", "--data", "d"]) and not cli._needs_flare(["validate", "d"])
     light = cli.build_parser(flare=False)
     choices = next(a for a in light._actions if a.dest == "command").choices
     assert "train" in choices and not set(cli.FLARE_COMMANDS) & set(choices)
+
+
+def test_the_help_listing_names_every_flare_command_as_it_registers_itself():
+    """``fedlabels --help`` lists the FLARE subcommands from cli.FLARE_HELP (no FLARE import): the same names
+    and help lines as flare/commands.py registers, in its order; the listing imports neither FLARE nor MONAI."""
+    def listed(parser):
+        action = next(a for a in parser._actions if a.dest == "command")
+        return [(a.dest, a.help) for a in action._choices_actions]
+
+    light = {name for name, _ in listed(cli.build_parser(flare=False))}
+    real = [(n, h) for n, h in listed(cli.build_parser(flare=True)) if n not in light]
+    assert real == list(cli.FLARE_HELP.items())
+    assert listed(cli.build_parser(flare=cli.LISTING)) == listed(cli.build_parser(flare=True))
+    code = ("import sys, contextlib, io\nfrom fedlabels import cli\nout = io.StringIO()\n"
+            "with contextlib.redirect_stdout(out):\n    try:\n        cli.main(['--help'])\n"
+            "    except SystemExit:\n        pass\n"
+            "assert 'kit-policy' in out.getvalue() and 'simulate' in out.getvalue(), out.getvalue()\n"
+            "print(sorted(m for m in ('nvflare', 'monai', 'torch') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
 def test_scenario_error_wrapped_by_a_library_is_found():
@@ -594,3 +614,32 @@ def test_report_scores_the_network_the_run_trained(tmp_path, capsys):
     assert cli.main(["report", f"r={run}", "--data", str(data)]) == 0
     table = capsys.readouterr().out
     assert table.splitlines()[0] == "| class | sites labeling it | r |" and "**mean**" in table, table
+
+
+@pytest.mark.simulator
+def test_a_failed_simulate_leaves_its_log_and_no_job_folder(tmp_path):
+    """A simulation that fails (three sites asked of a two-site scenario: the simulator stops) ends with one
+    line pointing at its log; the job folder it exported is removed, the log and workspace stay."""
+    data = tmp_path / "two-sites"
+    assert cli.main(["synth", "cxr", "--out", str(data), "--sites", "2", "--cases", "8", "--size", "16",
+                     "--test-cases", "8"]) == 0
+    ws = tmp_path / "sim"
+    code, out, err = _in_process(["simulate", "fedavg_cxr", "--data", data, "-n", "3", "--rounds", "1", "-w", ws])
+    assert code == 1 and "did not finish" in err and str(ws / "simulator.log") in err, err
+    assert (ws / "simulator.log").is_file() and not (ws / "jobs").exists()
+
+
+def test_synth_cases_is_what_its_help_says(tmp_path, capsys):
+    """`synth cxr --cases 30`: a reference site of 30 cases, the others scaled as the help says (30/18/48/24)."""
+    from fedlabels.data.synthetic import CXR_SITE_SCALE
+    from fedlabels.profile import load_scenario
+
+    assert cli.CXR_SCALES == ", ".join(f"{s:g}" for s in CXR_SITE_SCALE)
+    synth = next(a for a in cli.build_parser(flare=False)._actions if a.dest == "command").choices["synth"]
+    said = next(a for a in synth._actions if a.dest == "cases").help
+    assert "reference site" in said and f"s = {cli.CXR_SCALES}" in said
+    assert cli.main(["synth", "cxr", "--out", str(tmp_path / "d"), "--cases", "30", "--size", "16",
+                     "--test-cases", "8"]) == 0
+    sites = load_scenario(tmp_path / "d").sites
+    assert [len(s.training) + len(s.validation) for s in sites.values()] == \
+        [round(s * 30) for s in CXR_SITE_SCALE] == [30, 18, 48, 24]

@@ -38,6 +38,22 @@ from .profile import ScenarioError
 # and MONAI (seconds), so the parser only does it when one of them (or the help
 # listing) is asked for.
 FLARE_COMMANDS = ("jobs", "simulate", "report", "demo")
+# The FLARE subcommands as the top-level help (``fedlabels --help``) lists them, without importing
+# flare/commands.py: that listing answers in a fraction of a second. A test keeps these lines equal to
+# the ones flare/commands.py registers.
+FLARE_HELP = {
+    "jobs": "(re)generate the FLARE job folders from their Python definitions",
+    "simulate": "run one job in the FLARE simulator",
+    "provision": "provision a real federation: one TLS startup kit per participant",
+    "kit-policy": "add fedlabels' site policy to a startup kit nvflare made (distributed provisioning: the "
+                  "hospital's private key never leaves it)",
+    "report": "test-set per-class table of finished runs' global models",
+    "demo": "naive FedAvg, FedAvg-PL, Surgical Aggregation and FedPSL on the embedded data, then export the best "
+            "on validation",
+}
+LISTING = "listing"
+# data.synthetic.CXR_SITE_SCALE, as `synth --help` says it (a test keeps them equal; the listing imports no numpy)
+CXR_SCALES = "1, 0.6, 1.6, 0.8"
 
 # Subcommands that read a scenario folder given as --data and do not validate it
 # themselves (train and evaluate do, in bundle.workflows): main() validates it
@@ -176,8 +192,9 @@ def cmd_methods(args):
         _say(f"{name:14s} {', '.join(m.tasks):28s} {m.doc}")
 
 
-def build_parser(flare: bool = True) -> argparse.ArgumentParser:
-    """The ``fedlabels`` parser; ``flare=False`` leaves out the FLARE subcommands (imports nothing heavy)."""
+def build_parser(flare: bool | str = True) -> argparse.ArgumentParser:
+    """The ``fedlabels`` parser; ``flare=False`` leaves out the FLARE subcommands (imports nothing heavy);
+    ``flare="listing"`` lists them by name and help line only (``FLARE_HELP``), for the top-level help."""
     p = argparse.ArgumentParser(prog="fedlabels", description="Federated learning when every hospital labels differently.")
     p.add_argument("--version", action="version", version=f"fedlabels {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -187,7 +204,10 @@ def build_parser(flare: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--size", type=positive_int, help="image size in pixels")
-    s.add_argument("--cases", type=positive_int, help="cases per site (medmnist: in total)")
+    s.add_argument("--cases", type=positive_int,
+                   help=f"cxr: the cases of a reference site; site k holds round(s_k x N) with s = {CXR_SCALES} "
+                        "(cycled), so 4 sites hold 4 N (sites of different sizes, as hospitals are); lesion: cases "
+                        "per site; medmnist: cases in total")
     s.add_argument("--test-cases", type=positive_int)
     s.add_argument("--sites", type=int, default=4,
                    help="number of sites (cxr: site k labels like FedPSL Table I's site k mod 4; default 4)")
@@ -264,7 +284,10 @@ def build_parser(flare: bool = True) -> argparse.ArgumentParser:
 
     bench.add_parser(sub)
 
-    if flare:
+    if flare == LISTING:
+        for name, text in FLARE_HELP.items():
+            sub.add_parser(name, help=text)
+    elif flare:
         from .flare import commands as flare_commands
 
         flare_commands.add_parsers(sub)
@@ -279,10 +302,12 @@ def _subcommands(parser: argparse.ArgumentParser) -> set:
     return {name for a in parser._actions if isinstance(a, argparse._SubParsersAction) for name in a.choices}
 
 
-def _needs_flare(argv) -> bool:
+def _needs_flare(argv) -> bool | str:
     """Whether parsing ``argv`` needs the FLARE subcommands: yes unless it names another subcommand (or
-    asks for the version only)."""
-    return not argv or (argv[0] != "--version" and argv[0] not in _subcommands(build_parser(flare=False)))
+    asks for the version only); the top-level help (or no argument) lists them only (``LISTING``)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        return LISTING
+    return argv[0] != "--version" and argv[0] not in _subcommands(build_parser(flare=False))
 
 
 def check_scenario(args) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -280,6 +281,21 @@ def _spec(args) -> JobSpec:
     return spec
 
 
+@contextlib.contextmanager
+def _removed_on_failure(job_dirs: list):
+    """On a failure, remove the job folders the command exported (and their jobs/ folder when that is left
+    empty): a failed run leaves its log and workspace, not a job folder that looks like a result."""
+    try:
+        yield
+    except BaseException:
+        for job_dir in job_dirs:
+            shutil.rmtree(job_dir, ignore_errors=True)
+        if job_dirs:
+            with contextlib.suppress(OSError):  # not empty: another run's jobs are there
+                Path(job_dirs[0]).parent.rmdir()
+        raise
+
+
 def cmd_simulate(args):
     spec = _spec(args)
     threads = args.threads or default_threads(spec.sites)
@@ -303,7 +319,7 @@ def cmd_simulate(args):
     # Each round is reported as the server writes it to metrics.jsonl (fedlabels.progress).
     resumed = Path(spec.resume_from) / "progress.json" if spec.resume_from else None
     first = json.loads(resumed.read_text())["next_round"] if resumed and resumed.is_file() else 0
-    with RoundFollower(run_dir / "metrics.jsonl", spec.rounds, first=first):
+    with RoundFollower(run_dir / "metrics.jsonl", spec.rounds, first=first), _removed_on_failure([job_dir]):
         run_dir = simulate(job_dir, ws, spec.sites, data=args.data, threads=threads, log=log)
     print(f"done in {time.time() - t0:.0f}s; outputs in {run_dir}; TensorBoard logs in {run_dir / 'tb'}")
 
@@ -423,14 +439,15 @@ def cmd_demo(args):
 
     print(format_summary(load_scenario(data)), flush=True)
     single = single_site_classes(data)
-    results, runs = {}, {}
+    results, runs, exported = {}, {}, []
     for method in DEMO_METHODS:
         spec = demo_spec(method, args.rounds, synth)
-        job_dir = export(spec, out / "jobs")
+        exported.append(export(spec, out / "jobs"))
         t0 = time.time()
         print(f"[{method}] FLARE simulator, 4 sites x {args.rounds} rounds ...", flush=True)
-        runs[method] = simulate(job_dir, out / "ws" / method, 4, data=data, log=out / f"{method}.log")
-        results[method] = evaluate_global(runs[method], bundle_path(spec.bundle), data, "best")
+        with _removed_on_failure(exported):  # every job folder this demo exported
+            runs[method] = simulate(exported[-1], out / "ws" / method, 4, data=data, log=out / f"{method}.log")
+            results[method] = evaluate_global(runs[method], bundle_path(spec.bundle), data, "best")
         print(f"[{method}] {time.time() - t0:.0f}s; test mean AUROC {results[method]['auroc']:.3f}", flush=True)
     table = comparison_table(results, label_counts(data))
     (out / "comparison.md").write_text(table + "\n")
@@ -544,5 +561,6 @@ def add_parsers(sub):
                                      "then export the best on validation")
     s.add_argument("--out", default="demo")
     s.add_argument("--rounds", type=positive_int, default=DEMO_ROUNDS)
-    s.add_argument("--cases", type=positive_int, help="cases per site of the embedded scenario")
+    s.add_argument("--cases", type=positive_int,
+                   help="cases of the embedded scenario's reference site (see synth --help)")
     s.set_defaults(fn=cmd_demo)
