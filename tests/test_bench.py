@@ -334,3 +334,26 @@ def test_network_and_image_size_reach_every_row_and_a_misspelt_option_stops_befo
     code, _, stderr = _main(argv + ["--network", "widen=0.25", "--out", bad])
     assert code == 2 and "--network" in stderr and len(stderr.strip().splitlines()) == 1
     assert not (bad / "cells").exists()
+
+
+def test_a_bench_says_the_nvimagecodec_notice_at_most_once_and_prints_rounded_numbers(tmp_path):
+    """The console of a real `fedlabels bench` (a subprocess: MONAI's own logging and warnings as a user sees
+    them): MONAI's nvImageCodec notice at most once for all its cells, every number rounded for display."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from fedlabels.progress import number
+
+    argv = [a if a != "fedavg,surgical" else "fedavg" for a in BENCH]
+    argv[argv.index("--rounds") + 1] = "1"
+    proc = subprocess.run([sys.executable, "-m", "fedlabels.cli", *argv, "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-3000:]
+    assert text.count("nvImageCodec") <= 1, text
+    assert "train_loss=" in text and "round 0" in text
+    assert not re.findall(r"\d\.\d{5,}", text), re.findall(r".*\d\.\d{5,}.*", text)
+    assert (number(1 / 3), number(0.25), number(None), number(float("nan")), number(3)) == \
+        ("0.3333", "0.2500", "n/a", "n/a", "3")

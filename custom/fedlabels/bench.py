@@ -565,7 +565,8 @@ def run_floor(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict:
         client.epochs = (r - done) * plan.local_epochs
         update = client.train(to_numpy(st.net.state_dict()), i)
         done = r
-        log(f"[{cell.method}] {r * plan.local_epochs} epochs: train_loss={update.metrics.get('train_loss')}")
+        loss = progress.number(update.metrics.get("train_loss"))
+        log(f"[{cell.method}] {r * plan.local_epochs} epochs: train_loss={loss}")
         rows += _rows(cell, r, "last", scorer(to_numpy(st.net.state_dict())))
     total = sum(s.summary()["cases"] for s in sc.sites.values())
     cases = sc.site(cell.site).summary()["cases"]

@@ -37,6 +37,18 @@ def say(msg: str) -> None:
         bar._draw()
 
 
+def number(value, digits: int = 4) -> str:
+    """A metric or loss as a log line shows it: rounded to ``digits`` decimals (``0.3333``, not
+    ``0.33333333333333337``); ``n/a`` for None, NaN or anything not a number. Files keep full precision."""
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "n/a" if value is None else str(value)
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.{digits}f}" if math.isfinite(value) else "n/a" if math.isnan(value) else str(value)
+
+
 def clock(seconds: float) -> str:
     """``MM:SS``, or ``H:MM:SS`` from an hour on."""
     s = int(round(max(0.0, seconds)))

@@ -22,6 +22,7 @@ from .methods.base import SiteContext, load_weights, to_numpy
 from .site import SiteSetup, evaluate, flat_metrics, setup_site, test_loader, train_task, validate_task
 from .nets import rebuild
 from .profile import SiteProfile, label_summary, load_scenario
+from .progress import number
 
 
 def setups(bundle, data, sites=None, batch_size=None, seed=0, oracle=False, network_overrides=None,
@@ -84,7 +85,7 @@ def federate(method: str, site_setups: dict, rounds: int, seed=0, log=print, cli
         records.append(record)
         say("info", f"round {rnd}: " + " ".join(f"{s}={r.get('train_loss', float('nan')):.3f}"
                                                 for s, r in sorted(record["sites"].items()))
-            + f" mean {key_metric}={record[f'mean_{key_metric}']} ({record['seconds']:.1f}s)")
+            + f" mean {key_metric}={number(record[f'mean_{key_metric}'])} ({record['seconds']:.1f}s)")
         if on_round:
             on_round(record, weights, best)
     # As the FLARE controller's cross-site validation: the final model is a best-model candidate too.

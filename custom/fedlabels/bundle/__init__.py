@@ -12,9 +12,32 @@ in-process references, the benchmarks) goes through ``bundle_path``,
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from importlib import resources
 from pathlib import Path
+
+
+class _OnceNotice(logging.Filter):
+    """Lets the first ``text`` record through, drops the later ones."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text, self.said = text, False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.text not in record.getMessage():
+            return True
+        said, self.said = self.said, True
+        return not said
+
+
+# Every MONAI LoadImage (several per bundle workflow, so several per bench cell) builds an
+# NvImgCodecPydicomReader, which logs and warns that nvImageCodec (GPU DICOM decoding) is missing.
+# fedlabels decodes DICOM with pydicom (fedlabels.data.dicom): the notice is said once per process.
+logging.getLogger("monai.data.nvimgcodec_pydicom_plugin").addFilter(_OnceNotice("nvImageCodec is not available"))
+warnings.filterwarnings("ignore", message="NvImgCodecPydicomReader: nvImageCodec decoder plugin did not register")
 
 # A user's own bundle folders, searched before the shipped ones (os.pathsep-separated):
 # a bundle there adds one by its folder's name, or overrides the shipped bundle of that name.

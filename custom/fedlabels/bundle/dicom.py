@@ -302,7 +302,8 @@ class ClassCodes:
         if scheme not in STANDARD_SCHEMES and scheme not in self.schemes:
             raise ValueError(f"{where}: scheme {scheme!r} is neither a DICOM standard scheme {list(STANDARD_SCHEMES)} "
                              "nor declared in the field 'coding_schemes'")
-        return hd.sr.CodedConcept(value=str(entry["code"]), scheme_designator=scheme, meaning=str(entry["meaning"])[:64])
+        return hd.sr.CodedConcept(value=str(entry["code"]), scheme_designator=scheme,
+                                  meaning=str(entry["meaning"])[:64])
 
     def declarations(self, used) -> list:
         """CodingSchemeIdentificationSequence items for the private schemes among ``used``."""
