@@ -9,8 +9,10 @@ file naming its site-packages (lines of a ``.pth`` file only add folders: this e
 goes in with ``pip install --no-deps --no-index``. From a folder outside both, a researcher's and a
 clinical engineer's path then runs on the installed package: ``fedlabels synth`` -> ``fedlabels bench``
 (one round, tiny) -> ``python -m monai.bundle run`` training of the shipped bundle (the model to export)
--> ``fedlabels export`` -> ``python -m monai.bundle run`` inference of the exported bundle, and
-``fedlabels jobs``. Each step's outputs must exist, and no file of the new environment may change
+-> ``fedlabels export`` -> ``python -m monai.bundle run`` inference of the exported bundle, DICOM
+studies through ``fedlabels import``, training, export and the bundle's inference (the same array,
+``tests/test_dicom_pixels.py``), and ``fedlabels jobs``. Each step's outputs must exist, and no file
+of the new environment may change
 (``__pycache__`` aside). That test carries the ``release`` marker (``make test``, not ``make test-fast``);
 the bundle lookup (``FEDLABELS_BUNDLES`` before the shipped bundles) and the wheel check that
 provisioning uses are checked here in the fast lane.
@@ -226,6 +228,14 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
          cwd=work, env=env)
     rows = (work / "predictions" / "predictions.csv").read_text().strip().splitlines()
     assert len(rows) == 1 + 6, rows
+
+    # the one DICOM decoder, installed: DICOM studies imported with fedlabels import reach the exported bundle's
+    # network exactly as training saw them (tests/test_dicom_pixels.py's check, run by this environment's python)
+    check = ("import sys, pathlib; sys.path.insert(0, sys.argv[1]); import fedlabels, test_dicom_pixels as t; "
+             "assert fedlabels.__file__.startswith(sys.argv[2]), fedlabels.__file__; "
+             "print('compared', t.roundtrip(pathlib.Path('dicom-check'), 'auto'))")
+    out = _run([python, "-c", check, REPO / "tests", env_dir], cwd=work, env=env)
+    assert out.strip().splitlines()[-1] == "compared 24", out[-2000:]
 
     # the job folders go to the current folder (or --out), each with its bundle from the package
     _run([fedlabels_cmd, "jobs", "--name", "fedavg_cxr"], cwd=work, env=env)
