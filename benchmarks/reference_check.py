@@ -163,8 +163,11 @@ def project_cell(protocol: str, data: Path, seed: int, rounds: int, eval_rounds:
     for r, m in metrics.items():
         log(f"[project] {method} seed {seed} round {r}: {m}")
     seconds = [rec["seconds"] for rec in out["records"]]
+    # sites the round engine dropped (e.g. a non-finite update) or that abstained, per round (1-based)
+    dropped = {str(rec["round"] + 1): sorted(set(rec.get("dropped") or {}) | set(rec.get("abstained") or []))
+               for rec in out["records"] if rec.get("dropped") or rec.get("abstained")}
     return {"metrics": metrics, "seconds_per_round": float(np.mean(seconds)), "seconds": seconds,
-            "validation_seconds_per_round": validating[0] / rounds}
+            "validation_seconds_per_round": validating[0] / rounds, "dropped": dropped}
 
 
 def compare(protocol, data: Path, seed: int, rounds: int, eval_rounds: list, work: Path, reference_scaling=None,
@@ -518,6 +521,23 @@ def _methods_section(label, protocol, cs_all, tolerance) -> list:
                                              for side in (a, b, q)) + " |")
                 lines.append(line)
         lines.append("")
+    lost = []
+    for c in sorted(cs_all, key=lambda c: (list(METHOD_ROWS).index(c["row"]), c["seed"])):
+        by_site = {}
+        for rnd, names in (c["reference_run"].get("dropped") or {}).items():
+            for name in names:
+                by_site.setdefault(name, []).append(int(rnd))
+        lost += [f"`{c['row']}` split {c['seed']}: {name} in {len(r)} round(s), {min(r)}-{max(r)}"
+                 for name, r in sorted(by_site.items())]
+    lines += ["Reference sites whose trained model was not finite, left out of their group's aggregate (the "
+              "reference's rule): " + ("; ".join(lost) if lost else "none") + ".", ""]
+    if all("dropped" in p for c in cs_all for p in c["projects"]):
+        gone = [f"`{c['row']}` split {c['seed']} seed {p['train_seed']}: rounds "
+                + ", ".join(f"{r} ({', '.join(s)})" for r, s in sorted(p["dropped"].items(), key=lambda x: int(x[0])))
+                for c in cs_all for p in c["projects"] if p["dropped"]]
+        lines += ["Project sites its round engine dropped or that abstained: " + ("; ".join(gone) or "none") + ".", ""]
+    else:
+        lines += ["Project sites dropped by its round engine: not recorded in these cells.", ""]
     secs = [(row, np.mean([_steady(p) for c in cs_all if c["row"] == row for p in c["projects"]]),
              np.mean([_steady(c["reference_run"]) for c in cs_all if c["row"] == row])) for row in rows]
     lines += ["Seconds per round (after the first, mean over runs), project / reference: "
