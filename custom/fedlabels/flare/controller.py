@@ -41,6 +41,7 @@ from ..config import DEFAULT_SITE_TIMEOUT, FILE, RunConfig
 from ..engine import NORM_RATIO, NoProgress, RoundEngine, clean_metrics
 from ..methods.base import ABSTAIN, EXTRAS, N, PHASE, REASON, RESUME, Update
 from ..privacy import REPORT as PRIVACY_REPORT, server_lines
+from ..progress import number
 from ..profile import check_summaries, check_summary, write_atomic, write_json_atomic
 
 FATAL = "fatal_error"
@@ -419,7 +420,7 @@ class FedLabelsController(BaseFedAvg):
         for site, m in sorted(record["sites"].items()):
             vals = " ".join(f"{k}={v:.4f}" for k, v in m.items() if "/" not in k and isinstance(v, float))
             self.info(f"round {rnd} {site}: n={m['n']} {vals}")
-        self.info(f"round {rnd} done in {seconds:.1f}s; mean {key} of received model = {record[f'mean_{key}']}"
+        self.info(f"round {rnd} done in {seconds:.1f}s; mean {key} of received model = {number(record[f'mean_{key}'])}"
                   + (f"; dropped {sorted(record['dropped'])}" if record["dropped"] else "")
                   + (f"; abstained {record['abstained']}" if record["abstained"] else ""))
         self._append_metrics(record)
