@@ -258,6 +258,21 @@ def cmd_provision(args):
           "and runs startup/start.sh (docs/deployment.md)")
 
 
+# A hospital's own rules, written into its kit's local/ folder (provision.harden_kit): provision names the
+# hospitals each applies to, kit-policy sets them on one kit.
+SITE_POLICIES = (
+    ("--no-byoc", "refuse every job carrying custom code (local/authorization.json)"),
+    ("--own-operation", "only their own admins operate (restart, shut down) or run shell commands on: not the "
+                        "project admin (local/authorization.json)"),
+    ("--withhold-batchnorm", "remove batch norm from every reply, whatever the job says (local/privacy.json): "
+                             "they refuse jobs that average batch norm"),
+    ("--noise-summary", "noise their label summary whatever the job says (local/privacy.json: noise_multiplier "
+                        "1.0, clip 4.0, delta 1e-5; editable there)"),
+    ("--fault-drills", "accept fault drills in their job gate: a test federation only (every other hospital "
+                       "refuses a job with a drill naming it)"),
+)
+
+
 def cmd_kit_policy(args):
     from .provision import harden_kit
 
@@ -511,21 +526,8 @@ def add_parsers(sub):
     s.add_argument("--admin-port", type=int, default=8003, help="the server's port for the admin")
     s.add_argument("--org-admin", action="append", metavar="SITE=EMAIL",
                    help="a hospital's own admin (default SITE-admin@ the --admin's domain); repeatable")
-    s.add_argument("--no-byoc", metavar="SITES",
-                   help="comma-separated hospitals (or 'all') that refuse every job carrying custom code "
-                        "(their local/authorization.json)")
-    s.add_argument("--withhold-batchnorm", metavar="SITES",
-                   help="comma-separated hospitals (or 'all') whose local/privacy.json removes batch norm from "
-                        "every reply, whatever the job says: they refuse jobs that average batch norm")
-    s.add_argument("--noise-summary", metavar="SITES",
-                   help="comma-separated hospitals (or 'all') that noise their label summary whatever the job says "
-                        "(local/privacy.json: noise_multiplier 1.0, clip 4.0, delta 1e-5; editable there)")
-    s.add_argument("--own-operation", metavar="SITES",
-                   help="comma-separated hospitals (or 'all') that only their own admins operate (restart, shut "
-                        "down) or run shell commands on: not the project admin (their local/authorization.json)")
-    s.add_argument("--fault-drills", metavar="SITES",
-                   help="comma-separated hospitals (or 'all') whose job gate accepts fault drills: a test "
-                        "federation only (every other hospital refuses a job with a drill naming it)")
+    for flag, what in SITE_POLICIES:
+        s.add_argument(flag, metavar="SITES", help=f"comma-separated hospitals (or 'all') that {what}")
     s.add_argument("--renew", metavar="NAMES",
                    help="comma-separated participants (or 'all') whose key and certificate are issued anew when "
                         "provisioning again into the same --out (rotation; the root CA stays)")
@@ -540,12 +542,8 @@ def add_parsers(sub):
     s = sub.add_parser("kit-policy", help="add fedlabels' site policy to a startup kit nvflare made (distributed "
                                           "provisioning: the hospital's private key never leaves it)")
     s.add_argument("kit", help="the startup kit folder (holding startup/ and local/)")
-    for flag, what in (("--no-byoc", "refuse every job carrying custom code"),
-                       ("--own-operation", "only the hospital's own admins operate it or run shell commands"),
-                       ("--withhold-batchnorm", "batch norm never leaves, whatever the job says"),
-                       ("--noise-summary", "noise the label summary whatever the job says"),
-                       ("--fault-drills", "accept fault drills (a test federation only)")):
-        s.add_argument(flag, action="store_true", help=f"a hospital's kit: {what} (as fedlabels provision's option)")
+    for flag, what in SITE_POLICIES:
+        s.add_argument(flag, action="store_true", help=f"as fedlabels provision {flag}, for this kit's hospital")
     s.add_argument("--wheel", metavar="WHL", help="the release's wheel, copied into the kit (as fedlabels provision's)")
     s.set_defaults(fn=cmd_kit_policy)
 
