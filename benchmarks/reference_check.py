@@ -626,13 +626,7 @@ def main(argv=None) -> None:
         config = {"train#random_transforms": CXR_AUGMENT, "train#batch_transforms": []}
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    # the last round is always scored (the project side refuses scored rounds that stop before it)
-    eval_rounds = sorted({int(r) for r in (args.eval_rounds or "").split(",") if r} | {args.rounds})
-    for seed in seeds:
-        data = Path(args.data.replace("{seed}", str(seed)))
-        if not (data / "scenario.yaml").is_file():
-            raise SystemExit(f"reference_check: {data}: no scenario.yaml (prepare the split first: fedlabels prepare ...)")
+    seeds, eval_rounds = _splits(args)
     for seed in seeds:
         tag = args.label + (f"-ref{args.reference_scaling}" if args.reference_scaling else "")
         cell = out / "cells" / f"{tag}-seed{seed}.json"
@@ -660,6 +654,18 @@ def main(argv=None) -> None:
     print(f"[check] wrote {out.parent / 'reference_check.md'}", flush=True)
 
 
+def _splits(args) -> tuple:
+    """(seeds, eval rounds) of a run, every seed's prepared split checked before any cell trains. The last
+    round is always scored (the project side refuses scored rounds that stop before it)."""
+    seeds = [int(s) for s in args.seeds.split(",")]
+    eval_rounds = sorted({int(r) for r in (args.eval_rounds or "").split(",") if r} | {args.rounds})
+    for seed in seeds:
+        data = Path(args.data.replace("{seed}", str(seed)))
+        if not (data / "scenario.yaml").is_file():
+            raise SystemExit(f"reference_check: {data}: no scenario.yaml (prepare the split first: fedlabels prepare ...)")
+    return seeds, eval_rounds
+
+
 def main_methods(args) -> None:
     """``--rows``: one cell per (row, split), resumable, one after the other."""
     if REFERENCES[args.protocol][0] != "classification":
@@ -670,12 +676,7 @@ def main_methods(args) -> None:
         raise SystemExit(f"--rows {unknown}: the method references cover {sorted(METHOD_ROWS)}")
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    eval_rounds = sorted({int(r) for r in (args.eval_rounds or "").split(",") if r} | {args.rounds})
-    for seed in seeds:
-        data = Path(args.data.replace("{seed}", str(seed)))
-        if not (data / "scenario.yaml").is_file():
-            raise SystemExit(f"reference_check: {data}: no scenario.yaml (prepare the split first: fedlabels prepare ...)")
+    seeds, eval_rounds = _splits(args)
     for seed in seeds:
         for row in rows:
             cell = out / "cells" / f"{args.label}-{row.replace(':', '_')}-seed{seed}.json"
