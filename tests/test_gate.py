@@ -57,6 +57,7 @@ def attacks(tmp_path: Path) -> dict:
         "data_folder": (job(), str(tmp_path), "data", None),
         "oracle": (job(data={"oracle": True}), "", "data.oracle", None),
         "data_key": (job(data={"root": "/data/other"}), "", "data.root", None),
+        "batch_word": (job(data={"batch_size": "all"}), "", "data.batch_size", None),
         "synth_expression": (job(data={"synth": {"cases": code}}), "", "data.synth.cases", marker),
         "client_expression": (job(client={"lr": code}), "", "client.lr", marker),
         "server_nested": (job(server={"weighted": {"_target_": "os.system"}}), "", "server.weighted", None),

@@ -128,8 +128,11 @@ def check_job(config, site: str, data: str = "", fault_drills: bool = False) -> 
         raise GateError("data.synth", "not a mapping")
     for key, value in synth.items():
         _plain(value, f"data.synth.{key}", words=False)
-    for key in ("family", "batch_size", "image_size"):
-        _plain(cfg.data.get(key), f"data.{key}")
+    _plain(cfg.data.get("family"), "data.family")
+    for key in ("batch_size", "image_size"):  # sizes: whole numbers, never a word the site would pass on
+        value = cfg.data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise GateError(f"data.{key}", f"{str(value)[:60]!r} is not a positive integer")
     protocol = cfg.data.get("protocol")
     if protocol is not None:
         if not isinstance(protocol, str) or not NAME.fullmatch(protocol) \
