@@ -41,7 +41,7 @@ FIELDS = ("SOPInstanceUID", "PatientID", "StudyInstanceUID", "SeriesInstanceUID"
 
 
 class DicomError(ValueError):
-    """A DICOM file whose pixels cannot be decoded; the message names the field."""
+    """A DICOM file that cannot be read, or whose pixels cannot be decoded; the message names the file or field."""
 
 
 def parse_window(window) -> list | None:
@@ -202,15 +202,11 @@ def _read_header(path):
 
     path = Path(path)
     if not path.is_file():
-        from .common import PrepareError
-
-        raise PrepareError(f"{path}: DICOM file not found")
+        raise DicomError(f"{path}: DICOM file not found")
     try:
         return pydicom.dcmread(str(path), stop_before_pixels=True)
     except Exception as e:  # noqa: BLE001 - any decoder failure is a bad file
-        from .common import PrepareError
-
-        raise PrepareError(f"{path}: not a readable DICOM file ({e})") from None
+        raise DicomError(f"{path}: not a readable DICOM file ({e})") from None
 
 
 def read_dicom_header(path) -> dict:

@@ -89,11 +89,14 @@ def fill_patients(cases: list, say=print) -> str:
         return "table"
     dicoms = [c for c in todo if str(c.image).lower().endswith(".dcm")]
     if dicoms:
-        from .dicom import read_dicom_header
+        from .dicom import DicomError, read_dicom_header
 
         progress = Progress(len(dicoms), "DICOM headers read", say)
         for c in dicoms:
-            pid = read_dicom_header(c.image).get("PatientID")
+            try:
+                pid = read_dicom_header(c.image).get("PatientID")
+            except DicomError as e:
+                raise PrepareError(str(e)) from None
             c.patient = f"ich-{pid}" if pid else c.id
             progress.step()
     rest = [c for c in todo if c.patient is None]

@@ -201,11 +201,11 @@ def probe_image(path: Path) -> tuple:
     if not path.is_file():
         raise PrepareError(f"file not found: {path}")
     if path.suffix.lower() == ".dcm":
-        from .dicom import read_dicom_header
+        from .dicom import DicomError, read_dicom_header
 
         try:
             h = read_dicom_header(path)
-        except PrepareError:
+        except DicomError:
             raise PrepareError(f"not a readable DICOM file: {path}") from None
         if not h.get("Rows") or not h.get("Columns"):
             raise PrepareError(f"a DICOM file without image size (Rows, Columns): {path}")
