@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import HEAD_NAME
-
 
 def weighted_mean(arrays: list, weights) -> np.ndarray:
     """sum_k w_k a_k / sum_k w_k in float64, cast back to the first array's dtype (integers rounded)."""
@@ -36,19 +34,6 @@ def average_keys(updates: list, global_weights: dict, weights) -> dict:
 def head_param_keys(head_name: str, keys) -> list:
     """The state-dict keys of the head among ``keys`` (weight, and bias if any)."""
     return [k for k in (f"{head_name}.weight", f"{head_name}.bias") if k in keys]
-
-
-def resolve_head_name(updates: list, head_name: str | None = None) -> str:
-    """The head's module name: the server option if given, else what the sites say."""
-    names = {u.meta.get(HEAD_NAME) for u in updates} - {None}
-    if head_name is not None:
-        if names - {head_name}:
-            raise ValueError(f"server option head_name={head_name!r} disagrees with the sites' {sorted(names)}")
-        return head_name
-    if len(names) != 1:
-        raise ValueError(f"class-wise head aggregation needs the head's name: every update's meta[{HEAD_NAME!r}] "
-                         f"(sent by the method's clients) or the server option head_name; got {sorted(names)}")
-    return names.pop()
 
 
 def meta_vector(update, key: str, size: int) -> np.ndarray:

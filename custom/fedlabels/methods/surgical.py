@@ -60,8 +60,21 @@ import numpy as np
 import torch
 
 from ..losses import partial_bce
-from .aggregate import average_keys, classwise_head_mean, head_param_keys, meta_vector, resolve_head_name
+from .aggregate import average_keys, classwise_head_mean, head_param_keys, meta_vector
 from .base import ANNOTATED, HEAD_NAME, LABELED_MASK, ClientRule, ServerRule
+
+
+def resolve_head_name(updates: list, head_name: str | None = None) -> str:
+    """The head's module name: the server option if given, else what the sites say."""
+    names = {u.meta.get(HEAD_NAME) for u in updates} - {None}
+    if head_name is not None:
+        if names - {head_name}:
+            raise ValueError(f"server option head_name={head_name!r} disagrees with the sites' {sorted(names)}")
+        return head_name
+    if len(names) != 1:
+        raise ValueError(f"class-wise head aggregation needs the head's name: every update's meta[{HEAD_NAME!r}] "
+                         f"(sent by the method's clients) or the server option head_name; got {sorted(names)}")
+    return names.pop()
 
 
 class HeadMetaMixin:
