@@ -46,7 +46,7 @@ def preset_file(bundle, name: str) -> Path:
 
 def load(name: str, bundle=None) -> Preset:
     """The preset ``name`` (of ``bundle``, else of its paper's bundle), checked: one error naming file and field."""
-    from .bundle import bundle_path
+    from .bundle.locate import bundle_path
 
     if bundle is None:
         if name not in PRESETS:
