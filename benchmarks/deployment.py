@@ -42,7 +42,7 @@ import torch
 
 from fedlabels.bundle import bundle_path, network
 from fedlabels.data.synthetic import generate
-from fedlabels.flare.commands import simulate
+from fedlabels.flare.simulator import simulate
 from fedlabels.flare.job import JOBS, export
 from fedlabels.flare.local_federation import Participant, free_ports, wait_for_sites
 from fedlabels.flare.provision import provision

@@ -4,7 +4,7 @@ Side by side, in one run, on the same synthetic cxr scenario, bundle
 (``cxr_densenet121``, DenseNet121 at 64 px), method (``fedavg_pl``), batch
 size, epochs, rounds and sites:
 
-(a) **Time.** The FLARE simulator (``fedlabels.flare.commands.simulate``, the
+(a) **Time.** The FLARE simulator (``fedlabels.flare.simulator.simulate``, the
     job exported from ``JOBS["fedavg_pl_cxr"]``) against a plain in-process
     loop (``fedlabels.references.federate``: the same client and server rules,
     no FLARE). Per-round times come from the controller's ``metrics.jsonl``
@@ -314,7 +314,7 @@ CLIENT_LINE = re.compile(r"\[(site-\d+)\] round (\d+): n=\d+ .*\(([\d.]+)s\)")
 
 def run_flare(work: Path, data: Path, rounds: int, sites: int, threads: int, tag: str, job: str = JOB,
               sampler_options: dict | None = None, **changes) -> dict:
-    from fedlabels.flare.commands import simulate
+    from fedlabels.flare.simulator import simulate
     from fedlabels.flare.job import JOBS, export
 
     spec = dataclasses.replace(JOBS[job], name=f"{job}_{tag}", rounds=rounds, sites=sites, **changes)

@@ -8,7 +8,7 @@ rounds and options in every run. Side by side in each row:
 * **plain**: the same sites, rule and local steps in one process
   (``references.federate`` plus the validation passes a FLARE site runs), the
   CPU reference;
-* **FLARE float32**: ``nvflare simulator`` through ``fedlabels.flare.commands.simulate``
+* **FLARE float32**: ``nvflare simulator`` through ``fedlabels.flare.simulator.simulate``
   with ``default_threads(N)`` worker processes (one per site while they fit in
   memory, else one per core with the sites taking turns): peak total RSS of
   the whole process tree (sampled every 0.5 s), seconds and CPU-seconds per
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     import torch
 
     from fedlabels.data.synthetic import generate
-    from fedlabels.flare.commands import default_threads
+    from fedlabels.flare.simulator import default_threads
     from fedlabels.profile import write_json_atomic
 
     out, work = Path(args.out), Path(args.work)

@@ -527,7 +527,7 @@ def run_federated_flare(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict:
     """The same method as a FLARE job in the simulator; its last and best global models scored."""
     from .config import KEY_METRICS
     from .bundle.workflows import load_state_dict
-    from .flare.commands import simulate
+    from .flare.simulator import simulate
     from .flare.job import JobSpec, export
 
     data, opts, sc = plan.datasets[cell.seed], plan.options[cell.method], plan.scenarios[cell.seed]

@@ -329,7 +329,7 @@ def _execute(spec: JobSpec, args, workdir: str) -> None:
             super().__init__(build_job(spec, workdir, installed=bool(args.prod)))
 
     if args.sim:
-        from .commands import default_threads
+        from .simulator import default_threads
 
         env = SimEnv(num_clients=args.sites, num_threads=args.threads or default_threads(args.sites), workspace_root=args.sim)
     elif args.poc:
