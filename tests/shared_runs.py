@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from fedlabels.flare.commands import simulate
+from fedlabels.flare.simulator import simulate
 from fedlabels.flare.job import JOBS, export
 
 # 2 sites x 2 rounds, batches of 8: what every simulator test trains unless it says otherwise

@@ -40,7 +40,8 @@ import yaml
 
 from fedlabels import methods
 from fedlabels.data.synthetic import generate
-from fedlabels.flare.commands import LOST_SITE, SiteLostAtStartup, evaluate_global, run_watched, write_jobs
+from fedlabels.flare.commands import evaluate_global, write_jobs
+from fedlabels.flare.simulator import LOST_SITE, SiteLostAtStartup, run_watched
 from fedlabels import references
 from fedlabels.flare.job import JOBS
 from shared_runs import PRODUCTION, TINY, job, simulate_job, smoke

@@ -19,7 +19,7 @@ from nvflare.fuel.utils import fobs
 from fedlabels.bundle import bundle_path, network
 from fedlabels.config import ConfigError, RunConfig
 from fedlabels.data.synthetic import CXR_SITE_CLASSES, generate
-from fedlabels.flare.commands import SERVER_MIB, SITE_PROCESS_MIB, default_threads
+from fedlabels.flare.simulator import SERVER_MIB, SITE_PROCESS_MIB, default_threads
 from fedlabels.flare.controller import on_the_wire
 from fedlabels.flare.job import JOBS, export
 from fedlabels.methods.aggregate import average_keys
