@@ -1,4 +1,5 @@
-"""Render the documentation's results pages (docs/results/*.md) from the results files.
+"""Render the documentation's generated blocks: the results pages (docs/results/*.md) from the results
+files, and the facts of each method page (docs/methods/*.md) from the code (benchmarks/method_pages.py).
 
 A results page holds prose and generated blocks. A generated block names a results file
 under benchmarks/results/ and a section (a heading) of it::
@@ -28,7 +29,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = REPO / "docs" / "results"
+METHOD_PAGES = REPO / "docs" / "methods"
 
+FACTS = re.compile(r"(?P<open><!-- facts: (?P<page>[\w-]+) -->\n)(?P<body>.*?)(?P<close><!-- end facts -->)", re.S)
 BLOCK = re.compile(r"(?P<open><!-- results: (?P<spec>.*?) -->\n)(?P<body>.*?)(?P<close><!-- end results -->)", re.S)
 HEADING = re.compile(r"^(#+)\s+(.*?)\s*$")
 
@@ -125,12 +128,26 @@ def _first_cell(row: str) -> str:
 
 
 def render_page(text: str, repo: Path = REPO) -> str:
-    """The page with every generated block written from its results file."""
-    return BLOCK.sub(lambda m: m.group("open") + render_block(m.group("spec"), repo) + m.group("close"), text)
+    """The page with every generated block written from its results file, and its method facts."""
+    text = BLOCK.sub(lambda m: m.group("open") + render_block(m.group("spec"), repo) + m.group("close"), text)
+    if FACTS.search(text):
+        facts = _method_pages().render_facts
+        text = FACTS.sub(lambda m: m.group("open") + facts(m.group("page")) + m.group("close"), text)
+    return text
+
+
+def _method_pages():
+    """benchmarks/method_pages.py, beside this script (loaded by path: benchmarks/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("method_pages", Path(__file__).with_name("method_pages.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def pages(root: Path = PAGES) -> list:
-    return sorted(root.glob("*.md"))
+    return sorted(root.glob("*.md")) + (sorted(METHOD_PAGES.glob("*.md")) if root == PAGES else [])
 
 
 def stale(root: Path = PAGES, repo: Path = REPO) -> dict:
@@ -152,7 +169,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         diffs = stale()
-    except RenderError as e:
+    except (RenderError, ValueError) as e:
         print(f"render_pages: {e}", file=sys.stderr)
         return 2
     if args.check:

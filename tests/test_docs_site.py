@@ -35,7 +35,9 @@ def test_the_site_has_the_guides_results_and_api_pages():
     cfg = _config()
     nav = _nav_files(cfg["nav"])
     for page in ("getting-started.md", "researcher-guide.md", "deployment.md", "clinical-bundle.md", "datasets.md",
-                 "methods.md", "results/partial-labels.md", "results/fedmlp.md", "results/fedmix.md",
+                 "methods/index.md", "methods/baselines.md", "methods/surgical.md", "methods/fedpsl.md",
+                 "methods/fedmlp.md", "methods/fedmix.md", "methods/isofed.md", "methods/presets.md",
+                 "results/partial-labels.md", "results/fedmlp.md", "results/fedmix.md",
                  "results/isofed.md", "api/methods.md", "api/engine.md", "api/config.md", "api/profile.md",
                  "api/cli.md"):
         assert page in nav, page

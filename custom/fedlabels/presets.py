@@ -9,7 +9,7 @@ network, batch size) it holds a ``federated`` section (rounds, local epochs,
 the client's optimizer and whether it is re-created every round; ``options``:
 method options, each given to every row whose client or server rule takes an
 option of that name) and a ``sources`` section saying where each value comes
-from (the paper, its released code, or a stated choice); docs/methods.md lists
+from (the paper, its released code, or a stated choice); docs/methods/presets.md lists
 them.
 """
 

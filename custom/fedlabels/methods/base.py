@@ -13,7 +13,7 @@ in-process loop only move ``Update`` objects and weights::
     client.state_dict() / server.state_dict()   # saved every round: resume is exact
 
 Weights travel as ``dict[str, np.ndarray]`` (a state dict), as FLARE sends
-them. Batch-norm policy (docs/methods.md):
+them. Batch-norm policy (docs/methods/baselines.md):
 
 * ``fedavg`` -- BN affine parameters and running statistics are averaged;
 * ``fedbn``  -- a site trains with its own BN: after its first round it never

@@ -1,4 +1,4 @@
-"""FedAvg and its partial-label baselines (docs/methods.md "Baselines").
+"""FedAvg and its partial-label baselines (docs/methods/baselines.md).
 
 * ``fedavg``     -- naive: a missing label (-1) counts as a negative;
 * ``fedavg_pl``  -- partial loss: BCE over annotated entries only;

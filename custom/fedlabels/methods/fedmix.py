@@ -1,5 +1,5 @@
 """FedMix (Wicaksana et al., IEEE TMI 2023): segmentation when sites hold pixel masks, boxes,
-image-level tags or nothing, and its baselines FedAdaptAgg and FedST (docs/methods.md "FedMix").
+image-level tags or nothing, and its baselines FedAdaptAgg and FedST (docs/methods/fedmix.md).
 
 Every training batch carries ``label`` (a site's mask, or its weak label rendered by the bundle's
 ``MaskLabeld`` as a prior: 1 inside the case's boxes / over the classes its tag names / everywhere

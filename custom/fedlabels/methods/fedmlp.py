@@ -1,4 +1,4 @@
-"""FedMLP (Sun et al., MICCAI 2024; docs/methods.md "FedMLP"): sites recover their missing labels.
+"""FedMLP (Sun et al., MICCAI 2024; docs/methods/fedmlp.md): sites recover their missing labels.
 
 Two stages. The server owns the schedule and tells each site its stage in the
 round's extras (``stage``), so one option (``warmup_rounds``, the paper's t1)
@@ -53,7 +53,7 @@ there is no logit adjustment; the consistency term stays when it is on),
 ``warmup_consistency`` / ``stage2_consistency`` (CR) and
 ``adaptive_threshold`` (ST).
 
-Where the paper is silent or contradicts itself (docs/methods.md):
+Where the paper is silent or contradicts itself (docs/methods/fedmlp.md):
     * d_c^G: Eq. 10 sums over S_c, the sites that annotate c, while the text
       calls it the difficulty of the *missing* class and the released code
       averages over the sites that lack c. ``degree_sites="missing"``

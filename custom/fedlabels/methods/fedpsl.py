@@ -1,4 +1,4 @@
-"""FedPSL (Dong et al.; docs/methods.md "FedPSL"): TDMA aggregation + TADL local training.
+"""FedPSL (Dong et al.; docs/methods/fedpsl.md): TDMA aggregation + TADL local training.
 
 The model is ``g_phi ∘ f_theta``: phi = the head (``net.head_name``, the last
 ``nn.Linear``), theta = every other trainable parameter.

@@ -1,5 +1,5 @@
 """Partial-label baselines that learn a site's missing classes from a model's own outputs
-(docs/methods.md "FedMLP", the baselines of its Tables 1-2).
+(docs/methods/fedmlp.md, the baselines of its Tables 1-2).
 
 Both train the annotated classes with the shared partial BCE (``partial_bce``,
 pos-weighted like every multi-label row) and aggregate with FedAvg by n_k, so

@@ -1,4 +1,4 @@
-"""Semi-supervised FL: fully labeled and fully unlabeled sites (docs/methods.md "IsoFed").
+"""Semi-supervised FL: fully labeled and fully unlabeled sites (docs/methods/isofed.md).
 
 IsoFed (Saha et al., MICCAI 2023) and the baselines it is compared with:
 
@@ -203,7 +203,7 @@ class WeightedFedAvgServer(ServerRule):
     --from_labeled``) starts its semi-supervised rounds at round 7 from a
     checkpoint trained on the labeled client; 7 warm-up rounds with the
     clients' optimizers kept (``reset_optimizer`` False) are that warm start
-    (preset ``isofed_rscfed``, docs/methods.md). Every semi-supervised rule
+    (preset ``isofed_rscfed``, docs/methods/presets.md). Every semi-supervised rule
     here inherits it."""
 
     needs_labeled = True

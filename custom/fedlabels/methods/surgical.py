@@ -1,4 +1,4 @@
-"""Surgical Aggregation (Kulkarni et al.; docs/methods.md "Surgical Aggregation").
+"""Surgical Aggregation (Kulkarni et al.; docs/methods/surgical.md).
 
 The model is ``head ∘ features``; the head is the network's last ``nn.Linear``
 (``net.head_name``), row ``c`` of its weight plus entry ``c`` of its bias
