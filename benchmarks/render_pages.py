@@ -147,13 +147,18 @@ def _method_pages():
 
 
 def pages(root: Path = PAGES) -> list:
-    return sorted(root.glob("*.md")) + (sorted(METHOD_PAGES.glob("*.md")) if root == PAGES else [])
+    return sorted(root.glob("*.md"))
 
 
-def stale(root: Path = PAGES, repo: Path = REPO) -> dict:
-    """{page: unified diff} of every page that differs from its rendering."""
+def method_pages() -> list:
+    return sorted(METHOD_PAGES.glob("*.md"))
+
+
+def stale(root: Path | None = None, repo: Path = REPO) -> dict:
+    """{page: unified diff} of every page (of ``root``, default: the results and the method pages) that
+    differs from its rendering."""
     out = {}
-    for page in pages(root):
+    for page in (pages(root) if root else pages() + method_pages()):
         have = page.read_text()
         want = render_page(have, repo)
         if have != want:
@@ -179,7 +184,7 @@ def main(argv=None) -> int:
             print(f"render_pages: {len(diffs)} page(s) differ from their results files; "
                   "run python benchmarks/render_pages.py", file=sys.stderr)
         return 1 if diffs else 0
-    for page in pages():
+    for page in pages() + method_pages():
         text = page.read_text()
         new = render_page(text)
         if new != text:

@@ -44,6 +44,24 @@ def test_committed_page_is_what_the_results_files_render(page):
                           + "".join(render.stale().get(page, "")))
 
 
+@pytest.mark.parametrize("page", render.method_pages(), ids=lambda p: f"methods/{p.name}")
+def test_committed_method_page_is_what_the_code_renders(page):
+    """A method page's facts (options and defaults, jobs, plans, presets and sources) are the code's."""
+    have = page.read_text()
+    if page.stem in render._method_pages().PAGES:
+        assert f"<!-- facts: {page.stem} -->" in have, f"{page.name}: no generated facts block"
+    assert have == render.render_page(have), ("a method page differs from what the code says; run python "
+                                              "benchmarks/render_pages.py\n" + "".join(render.stale().get(page, "")))
+
+
+def test_every_registered_row_is_on_one_method_page():
+    from fedlabels import methods
+
+    facts = render._method_pages()
+    listed = [row for rows in facts.PAGES.values() for row in rows]
+    assert sorted(listed) == methods.names()  # each once, none missing
+
+
 def _a_generated_number(text: str):
     """(position, digits) of the first decimal number in a table row of a generated block."""
     for block in render.BLOCK.finditer(text):
