@@ -1,0 +1,357 @@
+"""Training and scoring the cells of a ``fedlabels bench`` plan (one method or floor row and one seed each),
+in process or in the FLARE simulator; finished cells are kept, reused and never recomputed."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import progress
+from .plan import (CSV_COLUMNS, FLOOR, MEAN, ORACLE, POOLED, PRIMARY, TEST_METRICS, Plan, _say, base_method,
+                   floor_method)
+from .report import markdown, plot
+
+# ---------------------------------------------------------------- cells
+
+
+
+def floor_sites(scenario) -> list:
+    """Sites with something a supervised client learns from (labeled cases; segmentation: pixel masks)."""
+    from ..bundle import data as bundle_data
+
+    out = []
+    for name, site in scenario.sites.items():
+        if any(bundle_data.bundle_item(i, scenario.task, labeled_only=True) is not None for i in site.training):
+            out.append(name)
+    return out
+
+
+def cell_name(method: str, seed: int) -> str:
+    return f"{method.replace(':', '_')}-seed{seed}"
+
+
+@dataclass
+class Cell:
+    method: str            # a method name or local:<site>
+    seed: int
+    site: str | None = None  # floor rows: the site
+
+    @property
+    def label(self) -> str:
+        return f"{self.method} seed {self.seed}"
+
+
+def cell_config(plan: Plan, cell: Cell) -> dict:
+    """What a cell's numbers depend on; a finished cell is reused only when this matches."""
+    common = {"method": cell.method, "seed": cell.seed, "data": str(plan.datasets[cell.seed]), "synth": plan.synth,
+              "bundle": str(plan.bundle), "rounds": plan.rounds, "eval_rounds": plan.eval_rounds,
+              "batch_size": plan.batch_size, "local_epochs": plan.local_epochs,
+              **({"network": plan.network} if plan.network else {}),
+              **({"image_size": plan.image_size} if plan.image_size else {}),
+              **({"protocol": plan.protocol} if plan.protocol else {})}
+    if cell.site:
+        sc = plan.scenarios[cell.seed]
+        return {**common, "client": floor_method(sc.task), "client_options": plan.floor_client}
+    return {**common, "engine": plan.engine, "client_options": plan.options[cell.method]["client"],
+            "server_options": plan.options[cell.method]["server"]}
+
+
+def cells(plan: Plan) -> list:
+    out = []
+    for seed in plan.seeds:
+        out += [Cell(m, seed) for m in plan.methods]
+        out += [Cell(f"{FLOOR}:{s}", seed, s) for s in floor_sites(plan.scenarios[seed])]
+    return out
+
+
+class Scorer:
+    """Test-split metrics of one scenario: pooled (``references.score``) and per test-item ``group``."""
+
+    def __init__(self, bundle, data, network_overrides=None, config=None):
+        from monai.data import DataLoader
+        from torch.utils.data import Subset
+
+        from ..profile import load_scenario
+        from ..bundle import network
+        from ..site import test_loader
+
+        sc = load_scenario(data, sites=[], with_test=True)
+        self.task, self.classes = sc.task, sc.classes
+        self.loader = test_loader(bundle, data, config=config)
+        self.net = network(bundle, network_overrides or None, dataset_dir=data, class_names=list(sc.classes),
+                           **(config or {}))
+        self.n = len(sc.test)
+        self.groups = {POOLED: self.loader}
+        names = [i.get("group", i.get("site")) for i in sc.test]  # prepared scenarios name a test item's site
+        if any(g is not None for g in names):
+            names = ["(no group)" if n is None else str(n) for n in names]
+            for g in sorted(set(names)):
+                idx = [i for i, n in enumerate(names) if n == g]
+                self.groups[g] = DataLoader(Subset(self.loader.dataset, idx), batch_size=self.loader.batch_size,
+                                            shuffle=False, num_workers=0)
+
+    def __call__(self, weights) -> list:
+        """[(group, class, metric, value)]; value None where the metric is undefined."""
+        from ..methods.base import load_weights
+        from ..nets import first_of_twin
+        from ..site import evaluate
+
+        load_weights(self.net, first_of_twin(weights))  # FedMix's two UNets: F1 is scored, as it ships
+        out = []
+        for group, loader in self.groups.items():
+            result = evaluate(self.net, loader, self.task, self.classes)
+            for metric, per_class in TEST_METRICS[self.task]:
+                if per_class:
+                    for cls in self.classes:
+                        value = (result.get("per_class", {}).get(cls) or {}).get(metric)
+                        out.append((group, cls, metric, value))
+                out.append((group, MEAN, metric, result.get(metric)))
+        return out
+
+
+def _rows(cell: Cell, rnd: int, model: str, scored: list) -> list:
+    return [{"method": cell.method, "seed": cell.seed, "round": rnd, "model": model, "split": "test", "group": g,
+             "class": c, "metric": m, "value": None if v is None else float(v)} for g, c, m, v in scored]
+
+
+def _copy(weights: dict) -> dict:
+    import numpy as np
+
+    return {k: np.array(v, copy=True) for k, v in weights.items()}
+
+
+def _jsonable(obj):
+    import numpy as np
+
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def run_federated_inprocess(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict:
+    """``references.federate``; the last model at each eval round and the best on site validation so far."""
+
+    from .. import references
+    from ..config import KEY_METRICS
+
+    data, opts = plan.datasets[cell.seed], plan.options[cell.method]
+    key = KEY_METRICS[plan.scenarios[cell.seed].task]
+    method = base_method(cell.method)
+    setups = references.setups(plan.bundle, data, batch_size=plan.batch_size, seed=cell.seed, method=method,
+                               oracle=cell.method.startswith(ORACLE), network_overrides=plan.network or None,
+                               config=plan.config)
+    captured = {}
+
+    def on_round(record, weights, best):
+        r = record["round"] + 1
+        if r in plan.eval_rounds:
+            captured[r] = {"last": _copy(weights), "best": _copy(best)}
+
+    result = references.federate(method, setups, plan.rounds, seed=cell.seed, log=log,
+                                 client_options=opts["client"], server_options=opts["server"], on_round=on_round)
+    # The final model is a best-model candidate too (validated at every site after the last round).
+    captured[plan.rounds]["best"] = result["best"]
+    rows = []
+    for r in plan.eval_rounds:
+        for model in ("last", "best"):
+            rows += _rows(cell, r, model, scorer(captured[r][model]))
+    return {"rows": rows, "records": result["records"], "key_metric": key}
+
+
+def run_federated_flare(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict:
+    """The same method as a FLARE job in the simulator; its last and best global models scored."""
+    from ..config import KEY_METRICS
+    from ..bundle.workflows import load_state_dict
+    from ..flare.simulator import simulate
+    from ..flare.job import JobSpec, export
+
+    data, opts, sc = plan.datasets[cell.seed], plan.options[cell.method], plan.scenarios[cell.seed]
+    spec = JobSpec(name=f"bench_{cell_name(cell.method, cell.seed)}", method=base_method(cell.method),
+                   oracle=cell.method.startswith(ORACLE), bundle=str(plan.bundle),
+                   family=plan.family or "cxr", rounds=plan.rounds, sites=len(sc.sites), client=dict(opts["client"]),
+                   server=dict(opts["server"]), seed=cell.seed, batch_size=plan.batch_size,
+                   network=dict(plan.network), image_size=plan.image_size, protocol=plan.protocol)
+    work = plan.out / "flare" / cell_name(cell.method, cell.seed)
+    job_dir = export(spec, work / "jobs")
+    log(f"FLARE simulator, {len(sc.sites)} sites x {plan.rounds} rounds; log: {work / 'simulator.log'}")
+    run_dir = simulate(job_dir, work / "ws", len(sc.sites), data=data, log=work / "simulator.log")
+    models = {"last": "FL_global_model.pt", "best": "best_FL_global_model.pt"}
+    rows = []
+    for model, fname in models.items():
+        rows += _rows(cell, plan.rounds, model, scorer(load_state_dict(run_dir / "app_server" / fname)))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"rows": rows, "records": records, "key_metric": KEY_METRICS[sc.task], "run_dir": str(run_dir)}
+
+
+def run_floor(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict:
+    """One site alone (``references.local``'s recipe), trained on to each eval round: round r = r x E epochs."""
+    from .. import methods
+    from ..methods.base import to_numpy
+    from ..site import setup_site
+
+    sc = plan.scenarios[cell.seed]
+    st = setup_site(plan.bundle, plan.datasets[cell.seed], cell.site, batch_size=plan.batch_size, seed=cell.seed,
+                    network_overrides=plan.network or None, config=plan.config)
+    first = plan.eval_rounds[0] * plan.local_epochs
+    client = methods.get(floor_method(sc.task)).make_client(st.net, st.context(), **{**plan.floor_client,
+                                                                                      "epochs": first})
+    rows, done = [], 0
+    for i, r in enumerate(plan.eval_rounds):
+        client.epochs = (r - done) * plan.local_epochs
+        update = client.train(to_numpy(st.net.state_dict()), i)
+        done = r
+        loss = progress.number(update.metrics.get("train_loss"))
+        log(f"[{cell.method}] {r * plan.local_epochs} epochs: train_loss={loss}")
+        rows += _rows(cell, r, "last", scorer(to_numpy(st.net.state_dict())))
+    total = sum(s.summary()["cases"] for s in sc.sites.values())
+    cases = sc.site(cell.site).summary()["cases"]
+    return {"rows": rows, "records": [], "share": cases / total, "cases": cases, "total_cases": total}
+
+
+# ---------------------------------------------------------------- run
+
+
+def _cell_path(plan: Plan, cell: Cell) -> Path:
+    return plan.out / "cells" / f"{cell_name(cell.method, cell.seed)}.json"
+
+
+def _where_free(config: dict) -> dict:
+    """A cell's settings with its split and bundle named by their folders: a checkout moved to another place
+    (or cells computed on another machine) holds the same split under another absolute path."""
+    return {k: Path(v).name if k in ("data", "bundle") and isinstance(v, str) and not v.startswith("embedded:")
+            else v for k, v in config.items()}
+
+
+def _differences(plan: Plan, cell: Cell, saved: dict) -> list:
+    """(setting, saved value, value now) where a saved cell differs from ``cell`` in this plan (none: it can
+    stand for it)."""
+    want = _where_free(_jsonable(cell_config(plan, cell)))
+    have = _where_free(saved.get("config", {}))
+    return [(k, have.get(k), want.get(k)) for k in sorted(set(want) | set(have)) if want.get(k) != have.get(k)]
+
+
+def _reused(plan: Plan, cell: Cell, path: Path) -> dict | None:
+    """A finished cell of the same name and settings in a ``--reuse`` folder, copied to ``path``. (An ablation
+    run of a plan shares its floor cells with the main run: the same split, bundle and floor settings.)"""
+    from ..profile import write_json_atomic
+
+    for folder in plan.reuse:
+        there = folder / "cells" / path.name
+        try:
+            saved = json.loads(there.read_text())
+        except (OSError, json.JSONDecodeError):  # missing or unreadable there: it is not a finished cell
+            continue
+        if not _differences(plan, cell, saved):
+            write_json_atomic(path, saved)
+            _say(f"[bench] {cell.label}: reused from {there}")
+            return saved
+    return None
+
+
+def _check_finished(plan: Plan, todo: list) -> dict:
+    """Finished cells whose settings match (here, or copied from a ``--reuse`` folder); refuse (before
+    training) one here computed with other settings."""
+    done = {}
+    for cell in todo:
+        path = _cell_path(plan, cell)
+        if not path.is_file():
+            saved = _reused(plan, cell, path)
+            if saved is not None:
+                done[(cell.method, cell.seed)] = saved
+            continue
+        try:
+            saved = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e}); remove it to recompute the cell") from None
+        diff = _differences(plan, cell, saved)
+        if diff:
+            shown = ", ".join(f"{k}: {have!r} there, {want!r} now" for k, have, want in diff[:3])
+            raise ValueError(f"{path}: computed with other settings ({shown}); use another --out or remove the file")
+        done[(cell.method, cell.seed)] = saved
+    return done
+
+
+def run(plan: Plan) -> dict:
+    """Every cell (finished ones skipped), then results.csv, results.md and the plots."""
+    from ..profile import write_json_atomic
+
+    t_start = time.time()
+    todo = cells(plan)
+    results = _check_finished(plan, todo)
+    scorers = {}
+
+    def stamp():
+        s = int(time.time() - t_start)
+        return f"[bench {s // 60:02d}:{s % 60:02d}]"
+
+    # cells done in an earlier run advance the count but not the time estimate
+    bar = progress.Progress(len(todo), "cells", prefix="[bench] ")
+    for i, cell in enumerate(todo, 1):
+        where = f"(cell {i}/{len(todo)})"
+        if (cell.method, cell.seed) in results:
+            _say(f"{stamp()} {cell.label}: skipped (done) {where}")
+            bar.step(cell.label, counted=False)
+            continue
+        _say(f"{stamp()} {cell.label}: start {where}")
+        bar.doing(cell.label)
+        t0 = time.time()
+        data = plan.datasets[cell.seed]
+        if data not in scorers:
+            scorers[data] = Scorer(plan.bundle, data, plan.network, plan.config)
+
+        def log(msg, _seed=cell.seed):
+            _say(f"    seed {_seed} {msg}")
+
+        if cell.site:
+            out = run_floor(plan, cell, scorers[data], log)
+        elif plan.engine == "flare":
+            out = run_federated_flare(plan, cell, scorers[data], log)
+        else:
+            out = run_federated_inprocess(plan, cell, scorers[data], log)
+        out.update(config=cell_config(plan, cell), seconds=time.time() - t0)
+        out = _jsonable(out)
+        write_json_atomic(_cell_path(plan, cell), out)
+        results[(cell.method, cell.seed)] = out
+        metric = PRIMARY[plan.scenarios[cell.seed].task]
+        value = next((r["value"] for r in out["rows"] if r["round"] == plan.last_round and r["model"] == "last"
+                      and r["group"] == POOLED and r["class"] == MEAN and r["metric"] == metric), None)
+        shown = "n/a" if value is None else f"{value:.3f}"
+        _say(f"{stamp()} {cell.label}: done in {out['seconds']:.1f}s; test mean {metric} {shown} (last model, "
+             f"round {plan.last_round}) {where}")
+        bar.step(cell.label)
+    bar.close()
+    ordered = [results[(c.method, c.seed)] for c in todo]
+    rows = [r for cell in ordered for r in cell["rows"]]
+    write_csv(plan.out / "results.csv", rows)
+    md = markdown(plan, todo, results)
+    (plan.out / "results.md").write_text(md)
+    pngs = plot(plan, todo, results)
+    _say(f"{stamp()} wrote {plan.out / 'results.csv'} ({len(rows)} rows), {plan.out / 'results.md'}, "
+         f"{len(pngs)} plot(s) in {plan.out / 'plots'}")
+    return {"rows": rows, "markdown": md, "plots": pngs}
+
+
+def write_csv(path: Path, rows: list) -> None:
+    from ..profile import write_atomic
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({**r, "value": "" if r["value"] is None else repr(float(r["value"]))})
+    write_atomic(path, buf.getvalue().encode())
+
+
