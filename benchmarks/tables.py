@@ -94,7 +94,7 @@ class Run:
 
 
 @dataclass
-class Plan:
+class TablePlan:
     path: Path
     raw: dict
     out: Path
@@ -159,7 +159,7 @@ def read_yaml(path: Path) -> dict:
     return raw
 
 
-def load_plan(path: Path, out: Path | None = None) -> Plan:
+def load_plan(path: Path, out: Path | None = None) -> TablePlan:
     path = Path(path).resolve()
     raw = read_yaml(path)
     where = str(path)
@@ -244,7 +244,7 @@ def load_plan(path: Path, out: Path | None = None) -> Plan:
     if missing:
         raise PlanError(f"{where}: glance.rows: {missing[0]!r} is the label of no row")
     out = (out or REPO / _need(raw, "out", where, str)).resolve()
-    return Plan(path, raw, out, seeds, sections, runs, section_runs)
+    return TablePlan(path, raw, out, seeds, sections, runs, section_runs)
 
 
 # ------------------------------------------------------------------ running
@@ -254,14 +254,14 @@ def fedlabels() -> str:
     return str(Path(sys.executable).with_name("fedlabels"))
 
 
-def data_path(plan: Plan, run: Run, seed: int | None = None) -> str:
+def data_path(plan: TablePlan, run: Run, seed: int | None = None) -> str:
     if run.data.startswith("embedded:"):
         return run.data
     path = str(plan.out / run.data)
     return path if seed is None else path.replace("{seed}", str(seed))
 
 
-def prepare(plan: Plan, run: Run, seed: int, src: Path) -> None:
+def prepare(plan: TablePlan, run: Run, seed: int, src: Path) -> None:
     target = data_path(plan, run, seed)
     if target.startswith("embedded:") or (Path(target) / "scenario.yaml").is_file():
         return
@@ -273,7 +273,7 @@ def prepare(plan: Plan, run: Run, seed: int, src: Path) -> None:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
-def bench(plan: Plan, run: Run, seeds: list, threads: int) -> int:
+def bench(plan: TablePlan, run: Run, seeds: list, threads: int) -> int:
     # The plan's other runs lend their finished cells that have this run's settings (bench checks them):
     # an ablation run's floor rows are the main run's.
     others = [plan.out / d for d in plan.runs if d != run.dir and (plan.out / d / "cells").is_dir()]
@@ -292,7 +292,7 @@ def bench(plan: Plan, run: Run, seeds: list, threads: int) -> int:
     return rc
 
 
-def tasks(plan: Plan, only=None) -> list:
+def tasks(plan: TablePlan, only=None) -> list:
     """(run, seed) in the plan's order: section by section, seed by seed, so that a table fills evenly."""
     out = []
     for names in plan.section_runs:
@@ -303,7 +303,7 @@ def tasks(plan: Plan, only=None) -> list:
     return out
 
 
-def record_splits(plan: Plan) -> dict:
+def record_splits(plan: TablePlan) -> dict:
     """splits.json: per prepared split, each site's training cases and annotated classes (kept beside the
     table: the splits themselves are not committed)."""
     path = plan.out / "splits.json"
@@ -332,7 +332,7 @@ def record_splits(plan: Plan) -> dict:
 # ------------------------------------------------------------------ the table
 
 
-def read_cells(plan: Plan) -> dict:
+def read_cells(plan: TablePlan) -> dict:
     """(run dir, method, seed) -> finished cell."""
     cells = {}
     for d in plan.runs:
@@ -392,7 +392,7 @@ def fmt(vals) -> str:
     return f"{np.mean(vals):.1f}" + (f" ± {np.std(vals, ddof=1):.1f}" if len(vals) > 1 else "")
 
 
-def seed_cells(plan: Plan, cells: dict, row: dict) -> list:
+def seed_cells(plan: TablePlan, cells: dict, row: dict) -> list:
     """The row's cell of each of the plan's seeds, in seed order; None where that seed has not finished."""
     return [cells.get((row["dir"], row["method"], s)) for s in plan.seeds]
 
@@ -415,7 +415,7 @@ def column_text(by_seed: list, col) -> str:
     return fmt(vals)
 
 
-def share(plan: Plan, splits: dict, run: Run, site: str) -> float | None:
+def share(plan: TablePlan, splits: dict, run: Run, site: str) -> float | None:
     """The site's share of the training cases (%), mean over the plan's splits of this run."""
     shares = []
     for seed in plan.seeds:
@@ -425,7 +425,7 @@ def share(plan: Plan, splits: dict, run: Run, site: str) -> float | None:
     return float(np.mean(shares)) if shares else None
 
 
-def expand_rows(plan: Plan, rows: list, cells: dict, splits: dict) -> list:
+def expand_rows(plan: TablePlan, rows: list, cells: dict, splits: dict) -> list:
     """The section's rows with every floor entry replaced by one row per site trained alone."""
     out = []
     for row in rows:
@@ -442,7 +442,7 @@ def expand_rows(plan: Plan, rows: list, cells: dict, splits: dict) -> list:
     return out
 
 
-def class_floor(plan: Plan, rows: list, cells: dict, splits: dict, columns: list) -> list:
+def class_floor(plan: TablePlan, rows: list, cells: dict, splits: dict, columns: list) -> list:
     """Local learning, one model per class: per split, each class scored by the best of the sites that
     annotate it trained alone (picked on test: an optimistic floor), then the mean over classes."""
     texts = []
@@ -470,14 +470,14 @@ def class_floor(plan: Plan, rows: list, cells: dict, splits: dict, columns: list
     return texts
 
 
-def paper_text(plan: Plan, row) -> str:
+def paper_text(plan: TablePlan, row) -> str:
     keys = row.get("paper") or []
     values = (plan.raw.get("paper") or {}).get("values", {})
     return "; ".join(" / ".join(f"{v:.1f}" for v in values[k]["values"]) + f" ({values[k]['table']}, {values[k]['row']})"
                      for k in ([keys] if isinstance(keys, str) else keys))
 
 
-def section_table(plan: Plan, rows: list, cells: dict, splits: dict, with_class_floor: bool) -> list:
+def section_table(plan: TablePlan, rows: list, cells: dict, splits: dict, with_class_floor: bool) -> list:
     columns = plan.raw["columns"]
     paper = plan.raw.get("paper")
     head = ["row", *[c["label"] for c in columns]] + ([f"paper {' / '.join(paper['columns'])}"] if paper else [])
@@ -495,7 +495,7 @@ def section_table(plan: Plan, rows: list, cells: dict, splits: dict, with_class_
     return lines
 
 
-def glance(plan: Plan, expanded: list, cells: dict, splits: dict) -> list:
+def glance(plan: TablePlan, expanded: list, cells: dict, splits: dict) -> list:
     """One line per section, one column per row label (the plan's glance.rows, or every non-floor row) and
     the floor: local learning with one model per class where the section has it, else the best site alone."""
     spec = plan.raw["glance"]
@@ -541,7 +541,7 @@ def glance(plan: Plan, expanded: list, cells: dict, splits: dict) -> list:
     return lines + [""]
 
 
-def table(plan: Plan) -> str:
+def table(plan: TablePlan) -> str:
     cells = read_cells(plan)
     splits = json.loads((plan.out / "splits.json").read_text()) if (plan.out / "splits.json").is_file() else {}
     rel = os.path.relpath(plan.path, REPO)
@@ -561,7 +561,7 @@ def table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def write_table(plan: Plan) -> str:
+def write_table(plan: TablePlan) -> str:
     text = table(plan)
     plan.out.mkdir(parents=True, exist_ok=True)
     tmp = plan.out / ".TABLE.md.tmp"  # a reader never sees half a table

@@ -1,6 +1,6 @@
 """Write a planned scenario: convert every image once, write the folder atomically.
 
-A protocol returns a :class:`Plan` -- which case goes to which site and split,
+A protocol returns a :class:`SplitPlan` -- which case goes to which site and split,
 with which (partial) label -- and :func:`write_plan` turns it into the folder
 of DESIGN.md section 4, exactly like ``synthetic.generate`` does:
 
@@ -68,7 +68,7 @@ class ExtraTest:
 
 
 @dataclass
-class Plan:
+class SplitPlan:
     name: str
     task: str
     classes: list
@@ -197,7 +197,7 @@ def _unlock(f) -> None:
     f.close()
 
 
-def write_plan(plan: Plan, out, seed: int, workers: int = 1, say=None, skip_bad: bool = False,
+def write_plan(plan: SplitPlan, out, seed: int, workers: int = 1, say=None, skip_bad: bool = False,
                command: list | None = None) -> Path:
     """Write ``plan`` as a scenario folder at ``out`` (atomically); returns the path."""
     say = say or default_say
@@ -365,7 +365,7 @@ def _test_line(sc) -> str:
     return f"test: {len(sc.test)} cases (pixel masks)"
 
 
-def _scenario_meta(plan: Plan, seed: int, command, skipped) -> dict:
+def _scenario_meta(plan: SplitPlan, seed: int, command, skipped) -> dict:
     size = plan.size
     image_size = None if size is None else ([size, size] if isinstance(size, int) else list(size))
     meta = {

@@ -220,7 +220,7 @@ def probe_image(path: Path) -> tuple:
 
 
 class Importer:
-    """Reads and checks every row; ``plan()`` turns them into a build.Plan."""
+    """Reads and checks every row; ``plan()`` turns them into a build.SplitPlan."""
 
     def __init__(self, args):
         self.args = args
@@ -509,7 +509,7 @@ class Importer:
     # -- the plan
 
     def plan(self):
-        from .build import Entry, Plan, SitePlan
+        from .build import Entry, SplitPlan, SitePlan
 
         args = self.args
         splits, test = self.split()
@@ -559,7 +559,8 @@ class Importer:
                         meta={"rows": len(self.rows)})
         mask_mode = "binary" if len(self.classes) == 1 else "labels"
         name = args.name or Path(args.out).name
-        return Plan(name, self.task, list(self.classes), channels, size, sites, [entry(r, True) for r in test] or None,
+        return SplitPlan(name, self.task, list(self.classes), channels, size, sites,
+                         [entry(r, True) for r in test] or None,
                     oracle=False, mask_mode=mask_mode, sources=[source], notes=notes, generator=GENERATOR,
                     window=None if window == "auto" else window,
                     protocol={"name": "import", "csv": [str(t.path) for t in tables],

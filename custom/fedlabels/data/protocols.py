@@ -1,4 +1,4 @@
-"""The papers' experimental setups as protocols: sources + options -> a Plan.
+"""The papers' experimental setups as protocols: sources + options -> a SplitPlan.
 
 =================  ==========================================================
 protocol           what it builds
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import partition as P
-from .build import Entry, ExtraTest, Plan, SitePlan
+from .build import Entry, ExtraTest, SplitPlan, SitePlan
 from .chestxray import CHEXPERT_CLASSES, NIH_CLASSES, UNION20
 from .common import PrepareError, warn
 
@@ -139,7 +139,7 @@ def parse_labeled(text, k: int) -> list:
     return sorted(set(idx))
 
 
-def isofed(sources, o: Options, rng, say=print) -> Plan:
+def isofed(sources, o: Options, rng, say=print) -> SplitPlan:
     src = sources["main"]
     classes = _classes_for(src, o)
     k = o.sites or 4
@@ -181,7 +181,7 @@ def isofed(sources, o: Options, rng, say=print) -> Plan:
         sites.append(SitePlan(name, classes if is_lab else [], "image" if is_lab else "none", tr, va,
                               f"{src.name} {split_name} share, {'labeled' if is_lab else 'unlabeled'}"))
     test_entries = [Entry(cases[i], cases[i].labels, cases[i].labels) for i in test]
-    return Plan(o.name or f"{src.name}-isofed", "multiclass", classes, src.channels, None, sites, test_entries,
+    return SplitPlan(o.name or f"{src.name}-isofed", "multiclass", classes, src.channels, None, sites, test_entries,
                 protocol={"name": "isofed", "sites": k, "gamma": gamma, "labeled_sites": [n + 1 for n in labeled],
                           "partition": o.partition,
                           **({"labeled_fraction": frac} if o.partition == "rscfed" else {}),
@@ -192,7 +192,7 @@ def isofed(sources, o: Options, rng, say=print) -> Plan:
 # ------------------------------------------------------------------ partial
 
 
-def partial(sources, o: Options, rng, say=print) -> Plan:
+def partial(sources, o: Options, rng, say=print) -> SplitPlan:
     src = sources["main"]
     classes = _classes_for(src, o)
     c = len(classes)
@@ -238,7 +238,7 @@ def partial(sources, o: Options, rng, say=print) -> Plan:
         tr, va = _split_site(cases, site_idx[s], rng, o.val_fraction, make)
         sites.append(SitePlan(name, annotated, "image", tr, va, f"{src.name} {split_how}; annotates {annotated}"))
     test_entries = [Entry(cases[i], onehot(cases[i].labels), onehot(cases[i].labels)) for i in test]
-    return Plan(o.name or f"{src.name}-partial", "multilabel", classes, src.channels, None, sites, test_entries,
+    return SplitPlan(o.name or f"{src.name}-partial", "multilabel", classes, src.channels, None, sites, test_entries,
                 protocol={"name": "partial", "sites": k, "site_classes": [[classes[j] for j in s] for s in sets],
                           "split": split_how, "test": how, "val_fraction": o.val_fraction, "limit": o.limit},
                 sources=[src], notes=["multi-class labels viewed as one-vs-rest multi-label targets"])
@@ -247,7 +247,7 @@ def partial(sources, o: Options, rng, say=print) -> Plan:
 # ------------------------------------------------------------------ fedmix
 
 
-def fedmix(sources, o: Options, rng, say=print) -> Plan:
+def fedmix(sources, o: Options, rng, say=print) -> SplitPlan:
     src = sources["main"]
     if not src.meta.get("seg_classes") or not any(c.mask is not None for c in src.cases):
         raise PrepareError(f"{src.name} has no segmentation masks; fedmix needs breast, ham10000, ph2 or retouch")
@@ -296,7 +296,7 @@ def fedmix(sources, o: Options, rng, say=print) -> Plan:
         sites.append(SitePlan(name, classes if level != "none" else [], level, tr, va, descs[s]))
     test = _subsample_entries(test, o.test_cases, rng)
     letters = {v: kk for kk, v in P.SUPERVISION_LETTERS.items()}
-    return Plan(o.name or f"{src.name}-fedmix", "segmentation", classes, src.channels, None, sites, test or None,
+    return SplitPlan(o.name or f"{src.name}-fedmix", "segmentation", classes, src.channels, None, sites, test or None,
                 mask_mode=src.mask_mode,
                 protocol={"name": "fedmix", "sites": k, "supervision": [letters[v] for v in levels],
                           "folds": o.folds, "fold": o.fold, "val_fraction": o.val_fraction, "limit": o.limit,
@@ -315,7 +315,7 @@ def _subsample_entries(entries, n, rng):
 # ------------------------------------------------------------------ fedmlp
 
 
-def fedmlp(sources, o: Options, rng, say=print) -> Plan:
+def fedmlp(sources, o: Options, rng, say=print) -> SplitPlan:
     src = sources["main"]
     cases = src.cases
     notes = []
@@ -381,7 +381,8 @@ def fedmlp(sources, o: Options, rng, say=print) -> Plan:
         tr_e, va_e = _split_site(cases, [train[j] for j in parts[s]], rng, o.val_fraction, make)
         sites.append(SitePlan(name, annotated, "image", tr_e, va_e, f"{src.name} equal share {s + 1}/{k}"))
     test_entries = [Entry(cases[i], None, _vec(cases[i], src.classes, classes, 0)) for i in test]
-    return Plan(o.name or f"{src.name}-fedmlp-missing{missing}", "multilabel", classes, 1, None, sites, test_entries,
+    return SplitPlan(o.name or f"{src.name}-fedmlp-missing{missing}", "multilabel", classes, 1, None, sites,
+                test_entries,
                 protocol={"name": "fedmlp", "sites": k, "missing": missing, "classes": classes, "split": how,
                           "site_classes": [[classes[j] for j in s_] for s_ in sets], "val_fraction": o.val_fraction},
                 sources=[src], notes=notes)
@@ -390,7 +391,7 @@ def fedmlp(sources, o: Options, rng, say=print) -> Plan:
 # ------------------------------------------------------------------ surgical aggregation
 
 
-def surgical_sim(sources, o: Options, rng, say=print) -> Plan:
+def surgical_sim(sources, o: Options, rng, say=print) -> SplitPlan:
     src = sources["main"]
     if src.task != "multilabel":
         raise PrepareError(f"surgical-sim needs a multi-label dataset (nih), not {src.name}")
@@ -427,14 +428,14 @@ def surgical_sim(sources, o: Options, rng, say=print) -> Plan:
         sites.append(SitePlan(name, annotated, "image", tr_e, va_e, f"{src.name} IID patient-level share {s + 1}/{k}"))
     test_entries = [Entry(cases[i], None, list(cases[i].labels)) for i in test]
     common = set.intersection(*[set(s_) for s_ in sets])
-    return Plan(o.name or f"{src.name}-surgical-sim", "multilabel", classes, 1, None, sites, test_entries,
+    return SplitPlan(o.name or f"{src.name}-surgical-sim", "multilabel", classes, 1, None, sites, test_entries,
                 protocol={"name": "surgical-sim", "sites": k, "shared": shared, "split": how,
                           "shared_classes": [classes[j] for j in sorted(common)],
                           "site_classes": [[classes[j] for j in s_] for s_ in sets], "val_fraction": o.val_fraction},
                 sources=[src])
 
 
-def surgical_real(sources, o: Options, rng, say=print) -> Plan:
+def surgical_real(sources, o: Options, rng, say=print) -> SplitPlan:
     nih = sources["main"]
     if nih.name != "nih" or "chexpert" not in sources:
         raise PrepareError("surgical-real: prepare nih --src NIH_DIR --src chexpert=CHEXPERT_DIR [--src mimic=MIMIC_DIR]")
@@ -479,7 +480,7 @@ def surgical_real(sources, o: Options, rng, say=print) -> Plan:
                          f"'test-mimic' (add a CXR-LT label file for a fully labeled test/)")
     else:
         notes.append("no MIMIC-CXR given (--src mimic=DIR): no external test set")
-    return Plan(o.name or "nih-chexpert-surgical-real", "multilabel", classes, 1, None, sites, test_entries,
+    return SplitPlan(o.name or "nih-chexpert-surgical-real", "multilabel", classes, 1, None, sites, test_entries,
                 oracle=False, extra_tests=extra,
                 protocol={"name": "surgical-real", "sites": 2, "shared": sorted(set(NIH_CLASSES) & set(CHEXPERT_CLASSES)),
                           "test_fraction": frac, "val_fraction": o.val_fraction, "uncertain": chex.meta.get("uncertain")},
@@ -489,7 +490,7 @@ def surgical_real(sources, o: Options, rng, say=print) -> Plan:
 # ------------------------------------------------------------------ FedPSL
 
 
-def _fedpsl(sources, o: Options, rng, eight: bool, say=print) -> Plan:
+def _fedpsl(sources, o: Options, rng, eight: bool, say=print) -> SplitPlan:
     nih = sources["main"]
     if nih.name != "nih":
         raise PrepareError("fedpsl protocols use NIH ChestX-ray14 (prepare nih ...)")
@@ -559,7 +560,7 @@ def _fedpsl(sources, o: Options, rng, eight: bool, say=print) -> Plan:
         notes.append("oracle/test labels: the one-class datasets are taken as negative for the NIH findings and "
                      "NIH images as negative for tuberculosis/COVID-19 (test items carry their 'source')")
     name = "fedpsl-8" if eight else "fedpsl-6"
-    return Plan(o.name or f"nih-{name}", "multilabel", classes, 1, None, sites, test,
+    return SplitPlan(o.name or f"nih-{name}", "multilabel", classes, 1, None, sites, test,
                 protocol={"name": name, "cases_per_site": n, "sample": o.sample, "test_per_class": o.test_per_class,
                           "site_classes": site_sets, "val_fraction": o.val_fraction},
                 sources=srcs, notes=notes)
