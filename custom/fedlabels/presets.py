@@ -39,6 +39,19 @@ class Preset:
     sources: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)  # method option -> value, for the rows whose rules take it
 
+    def rule_options(self, method) -> dict:
+        """The options this preset gives a registered method (``fedlabels.methods.Method``): the client
+        settings and the local epochs to its client rule, each method option to the side of the rule that
+        takes it (a supervised row has no ``lr_unlabeled``). ``fedlabels bench --protocol`` and a job with a
+        ``protocol`` both start from these; their own options override them."""
+        client, server = {**self.client, "epochs": self.local_epochs}, {}
+        for key, value in self.options.items():
+            if key in method.client_option_names():
+                client[key] = value
+            elif key in method.server_option_names():
+                server[key] = value
+        return {"client": client, "server": server}
+
 
 def preset_file(bundle, name: str) -> Path:
     return Path(bundle) / "configs" / "protocols" / f"{name}.json"

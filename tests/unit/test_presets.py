@@ -148,6 +148,30 @@ def test_isofed_rscfed_preset_reaches_each_row_with_the_options_its_rules_take()
     assert plan.options["isofed"]["server"]["warmup_rounds"] == 0 and plan.options["isofed"]["client"]["lr_unlabeled"] == 0.01
 
 
+def test_a_job_with_a_protocol_trains_with_what_bench_gives_its_rows():
+    """A FLARE job naming a preset gets the same client settings and method options as a bench row of that
+    preset; the job's own options override them."""
+    import dataclasses
+
+    from fedlabels.flare.job import JOBS
+
+    parser = cli.build_parser(flare=False)
+    plan = bench.make_plan(parser.parse_args(["bench", "--data", "d", "--methods", "isofed,rscfed", "--protocol",
+                                              "isofed_rscfed", "--out", "unused"]))
+    for row in ("isofed", "rscfed"):
+        spec = dataclasses.replace(JOBS[f"{row}_medmnist"], protocol="isofed_rscfed")
+        cfg = spec.config()
+        assert (cfg.client, cfg.server) == (plan.options[row]["client"], plan.options[row]["server"])
+        assert cfg.client["momentum"] == 0.9 and cfg.client["lr_unlabeled"] == 0.021
+    mine = dataclasses.replace(JOBS["isofed_medmnist"], protocol="isofed_rscfed", client={"lr": 0.01},
+                               server={"warmup_rounds": 0})
+    cfg = mine.config()
+    assert cfg.client["lr"] == 0.01 and cfg.client["momentum"] == 0.9 and cfg.server["warmup_rounds"] == 0
+    # the shipped jobs name the isofed preset and set nothing of their own: its client settings are theirs
+    assert JOBS["isofed_medmnist"].config().client == {"optimizer": "adam", "lr": 0.001, "weight_decay": 0.0,
+                                                       "reset_optimizer": True, "epochs": 1}
+
+
 def test_preset_options_are_checked_against_the_registered_rules(tmp_path):
     bundle = tmp_path / "b"
     (bundle / "configs" / "protocols").mkdir(parents=True)

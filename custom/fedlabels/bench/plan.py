@@ -187,16 +187,15 @@ def make_plan(args) -> Plan:
 
     epochs = args.local_epochs or (preset.local_epochs if preset else 1)
     client = dict(preset.client) if preset else {"lr": DEFAULT_LR}
-    options = {n: {"client": {**client, "epochs": epochs}, "server": {}} for n in names}
+    # the preset's settings and method options reach the rows whose rules take them (presets.Preset.rule_options);
+    # --opt below still overrides them
+    options = {}
+    for name in names:
+        given = preset.rule_options(registered[name]) if preset else {"client": dict(client), "server": {}}
+        options[name] = {"client": {**given["client"], "epochs": epochs}, "server": given["server"]}
     floor = dict(client)
     floor_rule = methods.get("fedavg_pl")
-    # the preset's method options reach the rows whose rules take them (a supervised row has no
-    # lr_unlabeled); --opt below still overrides them
     for key, value in (preset.options if preset else {}).items():
-        for name in names:
-            rule = registered[name]
-            if key in rule.client_option_names() or key in rule.server_option_names():
-                _route(rule, key, value, options[name])
         if key in floor_rule.client_option_names():
             floor[key] = value
     parsed = parse_opts(args.opt)

@@ -66,8 +66,15 @@ class JobSpec:
     site_timeout: int | None = None  # seconds a site has to answer a task (None: fedlabels.config's default)
 
     def config(self) -> RunConfig:
-        return RunConfig(method=self.method, bundle=Path(self.bundle).name, client=dict(self.client),
-                         server=dict(self.server), network=methods.get(self.method).network_options(self.network),
+        """The run configuration; with a ``protocol``, the preset's client settings and method options come
+        first and the job's own ``client``/``server`` options override them (as in ``fedlabels bench``)."""
+        given = {"client": {}, "server": {}}
+        if self.protocol:
+            from ..presets import load
+
+            given = load(self.protocol, self.bundle).rule_options(methods.get(self.method))
+        return RunConfig(method=self.method, bundle=Path(self.bundle).name, client={**given["client"], **self.client},
+                         server={**given["server"], **self.server}, network=methods.get(self.method).network_options(self.network),
                          data={"family": self.family, "synth": dict(self.synth), "batch_size": self.batch_size,
                                **({"oracle": True} if self.oracle else {}),
                                **({"image_size": self.image_size} if self.image_size else {}),
@@ -93,24 +100,18 @@ LESION_TRAINING = {"lr": 1e-3, "epochs": 1, "weight_decay": 1e-4}
 # Every task through the FL path: multi-class (MedMNIST-like, site-1 labeled, the
 # other sites abstain) and segmentation (the sites' pixel-labeled cases).
 OTHER_TASK_JOBS = [
-    JobSpec("fedavg_medmnist", "fedavg", bundle="medmnist_cnn", family="medmnist", protocol="isofed",
-            client={"optimizer": "adam", "lr": 1e-3, "reset_optimizer": True, "epochs": 1}),
+    JobSpec("fedavg_medmnist", "fedavg", bundle="medmnist_cnn", family="medmnist", protocol="isofed"),
     JobSpec("fedavg_lesion", "fedavg", bundle="lesion_unet", family="lesion", client=dict(LESION_TRAINING)),
 ]
 # Semi-supervised (IsoFed and its baselines) on the paper's CNN: the embedded medmnist
 # scenario (site-1 labeled, the others unlabeled) or a prepared `isofed` scenario via
 # FEDLABELS_DATA. wfedavg_medmnist is the upper bound: every site's full labels. They train with the
 # isofed preset (bundles/medmnist_cnn/configs/protocols/isofed.json): its scaling, flip and client settings.
-MEDMNIST_TRAINING = {"optimizer": "adam", "lr": 1e-3, "reset_optimizer": True, "epochs": 1}
 SEMISUP_JOBS = [
-    JobSpec("isofed_medmnist", "isofed", bundle="medmnist_cnn", family="medmnist", protocol="isofed",
-            client=dict(MEDMNIST_TRAINING)),
-    JobSpec("mt_wfedavg_medmnist", "mt_wfedavg", bundle="medmnist_cnn", family="medmnist", protocol="isofed",
-            client=dict(MEDMNIST_TRAINING)),
-    JobSpec("rscfed_medmnist", "rscfed", bundle="medmnist_cnn", family="medmnist", protocol="isofed",
-            client=dict(MEDMNIST_TRAINING)),
-    JobSpec("wfedavg_medmnist", "wfedavg", bundle="medmnist_cnn", family="medmnist", protocol="isofed",
-            client=dict(MEDMNIST_TRAINING), oracle=True),
+    JobSpec("isofed_medmnist", "isofed", bundle="medmnist_cnn", family="medmnist", protocol="isofed"),
+    JobSpec("mt_wfedavg_medmnist", "mt_wfedavg", bundle="medmnist_cnn", family="medmnist", protocol="isofed"),
+    JobSpec("rscfed_medmnist", "rscfed", bundle="medmnist_cnn", family="medmnist", protocol="isofed"),
+    JobSpec("wfedavg_medmnist", "wfedavg", bundle="medmnist_cnn", family="medmnist", protocol="isofed", oracle=True),
 ]
 # FedMLP and the pseudo-label baselines of its Tables 1-2, on the paper's ResNet-18. FedMLP warms up for a
 # quarter of the rounds (the paper: 50 of 500, with 10x more rounds to go after).
