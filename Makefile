@@ -1,11 +1,18 @@
 # Entry points: `make demo` (the main job on the embedded data), `make test` (the
-# test suite, what .ci/run calls) and `make test-fast` (units, reference loops and the
-# static job checks: no simulator, deployment or claim runs); `make test-poc-jobs` runs every shipped
-# job in nvflare's POC mode (about 10 minutes, before a release); `make dist` builds the release's sdist and
+# test suite, what .ci/run calls) and `make test-fast` (tests/unit: units, reference loops and the
+# static job checks; no simulator, deployment or claim runs); `make dist` builds the release's sdist and
 # wheel (docs/release.md). All create .venv on first use.
+# The test lanes are folders of tests/ (each folder's tests carry its marker, tests/conftest.py):
+#   tests/unit       make test-fast, make test
+#   tests/simulator  the real nvflare simulator (-m simulator): make test
+#   tests/deploy     the loopback federation, POC mode, the release build (-m deploy): make test, but for
+#                    its fault drills (-m drills: make test-drills) and every shipped job in POC mode
+#                    (-m poc_jobs: make test-poc-jobs)
+#   tests/claims     claims checked by training for minutes (-m claims): make test-claims
+# make test-drills, make test-poc-jobs and make test-claims are outside CI: run them before a release.
 # `make docs` builds the documentation site (mkdocs.yml) with --strict, so a broken link,
 # a missing page or an API reference that no longer imports fails; .ci/run calls it too.
-# The test targets print the 15 slowest tests and write JUnit XML reports of every test's
+# The test targets print the slowest tests and write JUnit XML reports of every test's
 # time into $(REPORTS).
 PYTHON ?= python3
 VENV   ?= .venv
@@ -14,9 +21,8 @@ BIN    := $(VENV)/bin
 # GPU users: see README "Choosing a torch build".
 CONSTRAINTS ?= constraints.txt
 REPORTS ?= test-reports
-FAST    := not simulator and not deploy and not claims and not poc_jobs and not release
 
-.PHONY: venv demo test test-fast test-poc-jobs docs jobs dist clean
+.PHONY: venv demo test test-fast test-claims test-drills test-poc-jobs docs jobs dist clean
 
 $(BIN)/fedlabels: setup.cfg $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,30 +41,40 @@ $(BIN)/mkdocs: $(BIN)/fedlabels
 demo: venv
 	$(BIN)/fedlabels demo --out demo
 
-# The deployment lane (a provisioned federation on loopback, POC mode) waits on nvflare's heartbeats and
-# job polling far more than it computes (about a third of one core), so it runs in a second pytest
-# process beside the rest of the suite; its output follows the suite's, and either failing fails the target.
-# Both lanes write their temporary folders (simulator workspaces, kits, checkpoints: several GB) into one
-# new folder, removed when both pass and kept, with its path printed, when one fails. TMPDIR points into it
-# too, so what a killed process (a fault drill) leaves in its own temporary folder goes with the rest.
+# The deployment lane (tests/deploy: a provisioned federation on loopback, POC mode, the release build) waits
+# on nvflare's heartbeats and job polling far more than it computes (about a third of one core), so it runs in a
+# second pytest process beside tests/unit and tests/simulator; its output follows theirs, and either failing
+# fails the target. Both write their temporary folders (simulator workspaces, kits, checkpoints: several GB)
+# into one new folder, removed when both pass and kept, with its path printed, when one fails. TMPDIR points
+# into it too, so what a killed process leaves in its own temporary folder goes with the rest.
 test: venv
 	@mkdir -p $(REPORTS)
 	@tmp=$$(mktemp -d -t fedlabels-tests.XXXXXX); mkdir $$tmp/tmp; export TMPDIR=$$tmp/tmp; \
-	$(BIN)/python -m pytest -q -m "deploy and not poc_jobs" --basetemp=$$tmp/deploy --durations=15 \
-	    --junitxml=$(REPORTS)/junit-deploy.xml tests > $(REPORTS)/deploy.log 2>&1 & deploy=$$!; \
-	$(BIN)/python -m pytest -q -m "not deploy and not poc_jobs" --basetemp=$$tmp/suite --durations=15 \
-	    --junitxml=$(REPORTS)/junit.xml tests; rest=$$?; \
-	wait $$deploy; lane=$$?; echo "---- deployment lane (-m deploy) ----"; cat $(REPORTS)/deploy.log; \
+	$(BIN)/python -m pytest -q -m "not drills and not poc_jobs" --basetemp=$$tmp/deploy --durations=15 \
+	    --junitxml=$(REPORTS)/junit-deploy.xml tests/deploy > $(REPORTS)/deploy.log 2>&1 & deploy=$$!; \
+	$(BIN)/python -m pytest -q --basetemp=$$tmp/suite --durations=15 \
+	    --junitxml=$(REPORTS)/junit.xml tests/unit tests/simulator; rest=$$?; \
+	wait $$deploy; lane=$$?; echo "---- deployment lane (tests/deploy) ----"; cat $(REPORTS)/deploy.log; \
 	echo "tests wrote $$(du -sh $$tmp | cut -f1) of temporary files in $$tmp"; \
 	if [ $$rest -eq 0 -a $$lane -eq 0 ]; then rm -rf $$tmp; else echo "kept $$tmp for inspection"; exit 1; fi
 
 test-fast: venv
-	$(BIN)/python -m pytest -q -m "$(FAST)" --durations=15 --junitxml=$(REPORTS)/junit-fast.xml tests
+	$(BIN)/python -m pytest -q --durations=15 --junitxml=$(REPORTS)/junit-fast.xml tests/unit
 
-# Every shipped job in nvflare's POC mode with the production defaults (tests/test_poc_jobs.py): about
-# 10 minutes on 2 cores, beside `make test` rather than in it; run before a release.
+# The claims (tests/claims): each trains for minutes beside its calibration processes. Not in CI; run
+# before a release.
+test-claims: venv
+	$(BIN)/python -m pytest -q --durations=15 --junitxml=$(REPORTS)/junit-claims.xml tests/claims
+
+# The fault drills on the loopback federation (tests/deploy/test_drills.py): malformed data, hostile replies
+# and a stalled hospital, a killed hospital, the server killed and resumed. Not in CI; run before a release.
+test-drills: venv
+	$(BIN)/python -m pytest -q -m drills --durations=15 --junitxml=$(REPORTS)/junit-drills.xml tests/deploy
+
+# Every shipped job in nvflare's POC mode with the production defaults (tests/deploy/test_poc_jobs.py): about
+# 10 minutes on 2 cores. Not in CI; run before a release.
 test-poc-jobs: venv
-	$(BIN)/python -m pytest -q -m poc_jobs --durations=5 tests
+	$(BIN)/python -m pytest -q -m poc_jobs --durations=5 tests/deploy
 
 docs: $(BIN)/mkdocs
 	$(BIN)/python benchmarks/render_pages.py --check

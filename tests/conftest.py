@@ -1,28 +1,35 @@
 """Test lanes and the session's shared simulator runs.
 
-Markers (registered in setup.cfg; ``--strict-markers`` refuses any other):
+The lanes are the folders of tests/, and each folder gives its tests its marker (registered in
+setup.cfg; ``--strict-markers`` refuses any other), so a test cannot sit in a lane without it:
 
-* ``simulator``: runs the real NVIDIA FLARE simulator (or ``fedlabels bench --engine flare``);
-* ``deploy``: a provisioned federation on 127.0.0.1, or nvflare's POC mode (tests/test_deploy.py);
-* ``claims``: a claim checked by training for minutes (tests/test_claims.py, tests/test_fedmlp_claims.py);
-* ``poc_jobs``: every shipped job in nvflare's POC mode (tests/test_poc_jobs.py, ``make test-poc-jobs`` only);
-* ``release``: the sdist and wheel built, the wheel installed and run outside the checkout (tests/test_release.py).
+* tests/unit: no marker; units, reference loops and the static job checks (drift, filters,
+  configuration): ``make test-fast``;
+* tests/simulator, ``simulator``: runs the real NVIDIA FLARE simulator (or ``fedlabels bench --engine flare``);
+* tests/deploy, ``deploy``: a provisioned federation on 127.0.0.1, nvflare's POC mode, the release build.
+  Its own markers: ``drills`` (the fault drills, tests/deploy/test_drills.py, ``make test-drills``),
+  ``poc_jobs`` (every shipped job in POC mode, tests/deploy/test_poc_jobs.py, ``make test-poc-jobs``) and
+  ``release`` (the sdist and wheel built, the wheel installed and run outside the checkout,
+  tests/deploy/test_release.py);
+* tests/claims, ``claims``: a claim checked by training for minutes (``make test-claims``).
 
-Each test module marks its own tests (``pytestmark`` or a decorator). The fast lane,
-``make test-fast``, is ``-m "not simulator and not deploy and not claims and not poc_jobs and not release"``: every
-unit and reference-loop test and the static job checks (drift, filters, configuration). ``make test``
-(what .ci/run calls) runs everything but ``poc_jobs``.
+``make test`` (what .ci/run calls) runs tests/unit, tests/simulator and tests/deploy but for the drills
+and ``poc_jobs``; the drills, the POC jobs and the claims run before a release. Support modules shared
+by several lanes (shared_runs.py, helpers.py, clinical_inputs.py, ...) sit here, beside this file, and
+are imported by name (pytest's default ``prepend`` import mode puts tests/ on ``sys.path``).
 
 Simulator runs are shared across modules (``sim_run``, tests/shared_runs.py): the scenario
 folders they read are session fixtures here, so a run asked for by two modules happens once.
 A test that asks for ``sim_run`` must carry the ``simulator`` marker (checked at collection).
 The runs the selected tests declare (a module's ``SHARED_RUNS``: test name -> its runs) start
 in the background when the session starts, and so does a module's ``BACKGROUND`` computation
-(the claims' calibration processes); the claims tests run last, when it has had the whole
-session to finish.
+(the claims' calibration processes) when its tests are selected; the claims tests run last, when
+it has had the whole session to finish.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -30,7 +37,16 @@ from fedlabels.data.synthetic import generate
 from shared_runs import SharedRuns
 
 
+# The lane folders and the marker each gives its tests (``-m simulator`` and the like select them).
+LANES = ("simulator", "deploy", "claims")
+
+
 def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+    for item in items:
+        lane = item.path.relative_to(here).parts[0] if item.path.is_relative_to(here) else None
+        if lane in LANES:
+            item.add_marker(lane)
     unmarked = [item.nodeid for item in items  # fixturenames: every fixture the test needs, directly or not
                 if "sim_run" in getattr(item, "fixturenames", ()) and item.get_closest_marker("simulator") is None]
     if unmarked:
@@ -71,7 +87,7 @@ def _prefetch_shared_runs(request):
         if plan is not None:
             planned += plan(item.callspec.params if hasattr(item, "callspec") else {})
     # a module's long computation that can run beside the others (``BACKGROUND = (start, stop)``;
-    # tests/test_claims.py): started now, read by its tests, stopped at the end if still running
+    # tests/claims/test_claims.py): started now, read by its tests, stopped at the end if still running
     background = {id(m): m.BACKGROUND for m in (getattr(i, "module", None) for i in request.session.items)
                   if hasattr(m, "BACKGROUND")}
     tmp_path_factory = request.getfixturevalue("tmp_path_factory")

@@ -43,12 +43,31 @@ TINY = {"rounds": 2, "sites": 2, "batch_size": 8}
 # that abstains must still aggregate (fedlabels.engine counts min_sites against the sites a step can reach).
 PRODUCTION = {"min_sites": TINY["sites"]}
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-# the privacy option of the fedpsl_cxr smoke run (tests/test_privacy.py)
+# the privacy option of the fedpsl_cxr smoke run (tests/simulator/test_privacy_runs.py)
 PRIVACY = {"noise_multiplier": 1.0, "clip": 4.0, "delta": 1e-5}
-# What the 2-round smoke runs of tests/test_flare.py change beyond TINY. FedMLP warms up for one round so
+
+# Jobs without a simulator run of their own, and the jobs whose runs execute their code:
+# fedpsl_tdma = FedPSL's TDMA server (fedpsl_cxr) with FedPSL's client without TADL (the plain
+# training step every job runs, with FedPSL's loss); fedpsl_tadl = FedPSL's client (fedpsl_cxr)
+# with the n_k-weighted FedAvg server (fedavg_cxr); mt_wfedavg = the mean-teacher client without
+# pretraining (rscfed_medmnist) with the weighted FedAvg server (wfedavg_medmnist); fedavg_full_lesion
+# = FedAvg on the lesion bundle (fedavg_lesion) on every site's masks (fedadaptagg_lesion, oracle).
+COVERED_BY = {"fedpsl_tdma_cxr": ("fedpsl_cxr",), "fedpsl_tadl_cxr": ("fedpsl_cxr", "fedavg_cxr"),
+              "mt_wfedavg_medmnist": ("rscfed_medmnist", "wfedavg_medmnist"),
+              "fedavg_full_lesion": ("fedavg_lesion", "fedadaptagg_lesion")}
+# the jobs with a smoke run of their own in tests/simulator/test_flare_runs.py (cxr) and their semi-supervised
+# runs, by name: (client options, [(stage, sites)])
+CXR = sorted(name for name, spec in JOBS.items() if spec.family == "cxr" and name not in COVERED_BY)
+SEMI_SUPERVISED = {"isofed_medmnist": ({}, [("unlabeled", ["site-2"]), ("labeled", ["site-1"])]),
+                   "rscfed_medmnist": ({"subset_size": 2, "subsets": 2}, [("subsets", ["site-1", "site-2"])]),
+                   "wfedavg_medmnist": ({}, [("train", ["site-1", "site-2"])])}
+# the jobs tests/simulator/test_fedmix_flare.py runs
+FEDMIX_RUNS = ("fedmix_lesion", "fedst_lesion", "fedadaptagg_lesion")
+
+# What the 2-round smoke runs of tests/simulator/test_flare_runs.py change beyond TINY. FedMLP warms up for one round so
 # that stage 2 (prototypes, tagging) runs too, with fixed selection ratios large enough to tag some of the
 # 16 cases. FedProx carries the one-configuration check (a float that JSON could turn into a string, a
-# network override); FedPSL the privacy option (tests/test_privacy.py reads the same run).
+# network override); FedPSL the privacy option (tests/simulator/test_privacy_runs.py reads the same run).
 SMOKE_CHANGES = {
     "fedmlp_cxr": {"server": {"warmup_rounds": 1, "tau0": 0.3, "tau1": 0.3, "adaptive_threshold": False}},
     "fedprox_cxr": {"client": {**JOBS["fedprox_cxr"].client, "lr": 5e-05}, "network": {"hidden": 16}},
@@ -63,8 +82,8 @@ def job(spec, **changes):
 
 
 def smoke(name):
-    """A job's smoke run on the session's cxr scenario, as tests/test_flare.py (and tests/test_privacy.py,
-    tests/test_dicom_outputs.py through test_flare's ``job_runs``) asks for it."""
+    """A job's smoke run on the session's cxr scenario, as tests/simulator/test_flare_runs.py (and tests/simulator/test_privacy_runs.py,
+    tests/simulator/test_dicom_runs.py through test_flare_runs's ``job_runs``) asks for it."""
     return job(name, **{**PRODUCTION, **SMOKE_CHANGES.get(name, {})})
 
 

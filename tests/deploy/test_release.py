@@ -11,7 +11,7 @@ clinical engineer's path then runs on the installed package: ``fedlabels synth``
 (one round, tiny) -> ``python -m monai.bundle run`` training of the shipped bundle (the model to export)
 -> ``fedlabels export`` -> ``python -m monai.bundle run`` inference of the exported bundle, DICOM
 studies through ``fedlabels import``, training, export and the bundle's inference (the same array,
-``tests/test_dicom_pixels.py``), and ``fedlabels jobs``. Each step's outputs must exist, and no file
+``tests/unit/test_dicom_pixels.py``), and ``fedlabels jobs``. Each step's outputs must exist, and no file
 of the new environment may change
 (``__pycache__`` aside). That test carries the ``release`` marker (``make test``, not ``make test-fast``);
 the bundle lookup (``FEDLABELS_BUNDLES`` before the shipped bundles) and the wheel check that
@@ -35,7 +35,7 @@ import pytest
 import fedlabels
 from fedlabels import bundle, release
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VERSION = fedlabels.__version__
 
 
@@ -230,7 +230,7 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     assert len(rows) == 1 + 6, rows
 
     # the one DICOM decoder, installed: DICOM studies imported with fedlabels import reach the exported bundle's
-    # network exactly as training saw them (tests/test_dicom_pixels.py's check, run by this environment's python)
+    # network exactly as training saw them (tests/unit/test_dicom_pixels.py's check, run by this environment's python)
     check = ("import sys, pathlib; sys.path.insert(0, sys.argv[1]); import fedlabels, test_dicom_pixels as t; "
              "assert fedlabels.__file__.startswith(sys.argv[2]), fedlabels.__file__; "
              "print('compared', t.roundtrip(pathlib.Path('dicom-check'), 'auto'))")

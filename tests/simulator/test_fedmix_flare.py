@@ -2,9 +2,9 @@
 image-level site, 32 px), and the exported FedMix bundle writing masks for PNG and NIfTI inputs.
 
 The runs are the session's shared ones (``sim_run``): fedmix_lesion also serves
-tests/test_dicom_outputs.py. fedavg_full_lesion has no run of its own: FedAvg on the lesion
-bundle runs in tests/test_flare.py (fedavg_lesion) and every site's masks (oracle) here in
-fedadaptagg_lesion (tests/test_flare.py, ``COVERED_BY``).
+tests/simulator/test_dicom_runs.py. fedavg_full_lesion has no run of its own: FedAvg on the lesion
+bundle runs in tests/simulator/test_flare_runs.py (fedavg_lesion) and every site's masks (oracle) here in
+fedadaptagg_lesion (tests/simulator/test_flare_runs.py, ``COVERED_BY``).
 """
 
 import json

@@ -7,45 +7,26 @@ are checked against ``references.federate`` + ``score`` (and ``references.local`
 for a floor row) called directly: a plumbing check (bench reports what the engine
 computed, for the right cell, model and class), not an independent one, since bench
 calls the same functions. The engine and the rules are checked against hand-written
-loops in tests/test_engine.py and tests/test_methods.py, the training path against a
-plain-PyTorch FedAvg in tests/test_reference_check.py. The FLARE-engine test runs the
+loops in tests/unit/test_engine.py and tests/unit/test_methods.py, the training path against a
+plain-PyTorch FedAvg in tests/unit/test_reference_check.py. The FLARE-engine test runs the
 real simulator and carries the ``simulator`` marker.
 """
 
 from __future__ import annotations
 
-import contextlib
-import csv
-import io
 import json
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from fedlabels import bench, cli, references
 from fedlabels.bundle import bundle_path
+from helpers import read_csv as _read_csv, run_cli as _main
 
 BENCH = ["bench", "--data", "embedded:cxr", "--synth", "cases=12", "--synth", "test_cases=8", "--bundle",
          "cxr_resnet18", "--methods", "fedavg,surgical", "--seeds", "0", "--rounds", "2", "--batch-size", "8",
          "--network", "widen_factor=0.25", "--image-size", "32"]  # small and fast: no check here depends on size
 SITES = [f"site-{k}" for k in range(1, 5)]
-
-
-def _main(argv) -> tuple:
-    """(exit code, stdout, stderr) of ``fedlabels ARGV`` run in this process."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = cli.main([str(a) for a in argv])
-        except SystemExit as e:  # argparse refusals
-            code = e.code
-    return code, out.getvalue(), err.getvalue()
-
-
-def _read_csv(path: Path) -> list:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def _value(rows, **where) -> float:
@@ -274,47 +255,6 @@ def test_oracle_rows_train_every_site_on_its_full_labels(tmp_path):
     bad = argv[:-2] + ["--opt", "oracle:nosuch:lr=1", "--out", tmp_path / "c"]
     code, _, err = _main(bad)
     assert code == 2 and "'oracle:nosuch' is not one of --methods" in err
-
-
-@pytest.fixture
-def one_thread():
-    """One torch thread here and in the simulator's sites: an exact comparison must not depend on the cores."""
-    from shared_runs import ONE_THREAD, environment
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with environment(ONE_THREAD):
-            yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.mark.simulator
-def test_flare_engine_matches_the_inprocess_engine(tmp_path, one_thread):
-    """2 sites x 2 rounds in the FLARE simulator; the last global model scores as the in-process engine's
-    (one torch thread on both sides)."""
-    common = ["bench", "--bundle", "medmnist_cnn", "--methods", "fedavg", "--seeds", "0", "--rounds", "2",
-              "--batch-size", "8"]
-    flare_out = tmp_path / "flare"
-    code, _, stderr = _main(common + ["--data", "embedded:medmnist", "--synth", "sites=2", "--synth",
-                                           "labeled=[0,1]", "--synth", "cases=48", "--synth", "test_cases=16",
-                                           "--engine", "flare", "--out", flare_out])
-    assert code == 0, stderr
-    flare_rows = _read_csv(flare_out / "results.csv")
-    assert {r["method"] for r in flare_rows} == {"fedavg", "local:site-1", "local:site-2"}
-    assert {r["metric"] for r in flare_rows} == {"accuracy", "auroc", "precision", "recall"}
-    # the same data as a fixed folder, in-process
-    inproc_out = tmp_path / "inprocess"
-    code, _, stderr = _main(common + ["--data", flare_out / "data" / "medmnist-seed0", "--out", inproc_out])
-    assert code == 0, stderr
-    assert "split fixed: seeds vary initialisation and order only" in (inproc_out / "results.md").read_text()
-    inproc_rows = _read_csv(inproc_out / "results.csv")
-
-    def last(rows):
-        return {(r["class"], r["metric"]): r["value"] for r in rows if r["method"] == "fedavg" and r["model"] == "last"}
-
-    assert last(flare_rows) == last(inproc_rows)
 
 
 def test_network_and_image_size_reach_every_row_and_a_misspelt_option_stops_before_any_cell(tmp_path):

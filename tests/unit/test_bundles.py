@@ -30,8 +30,9 @@ from fedlabels.bundle.workflows import check_torchscript, evaluate_bundle, expor
 from fedlabels.profile import ScenarioError, load_scenario
 
 from clinical_inputs import NIFTI_AFFINE, write_inputs, write_unreadable
+from helpers import one_cpu_thread  # noqa: F401  (autouse fixture)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # bundle -> (synthetic family, image size used in the tests)
 BUNDLES = {
     "cxr_densenet121": ("cxr", 32),
@@ -50,21 +51,11 @@ TENSOR_KEYS = ["type", "format", "modality", "num_channels", "spatial_shape", "d
                "is_patch_data", "channel_def"]
 RECOMMENDED_META = ["changelog", "intended_use", "data_source", "data_type", "references"]
 # The same specification as a JSON schema, for monai.bundle.verify_metadata offline.
-SPEC_SCHEMA = Path(__file__).with_name("monai_bundle_metadata.schema.json")
+SPEC_SCHEMA = Path(__file__).resolve().parents[1] / "monai_bundle_metadata.schema.json"
 
 
 def cfg(name, which):
     return str(REPO / "bundles" / name / "configs" / which)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """Tiny images gain nothing from intra-op threads; on a shared 2-core machine two OpenMP
-    threads stall whenever another process holds a core. Restored after this module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,11 @@ FLARE parser).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -26,8 +23,9 @@ import yaml
 from fedlabels import cli
 from fedlabels.data.synthetic import generate
 from fedlabels.profile import ScenarioError
+from helpers import cli_in_repo as _in_process
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BAD_FILE = str(Path("site-2") / "datalist.json")
 
 
@@ -65,26 +63,6 @@ def _commands(root: Path, data: Path) -> dict:
 
 # the commands that run as real subprocesses
 SUBPROCESS = ("short/train", "short/simulate")
-
-
-def _in_process(argv) -> tuple:
-    """(exit code, stdout, stderr) of ``fedlabels ARGV`` run through ``cli.main`` in this process, from the
-    repository as the subprocesses; an exception escaping ``main`` is written to stderr as the interpreter would."""
-    out, err = io.StringIO(), io.StringIO()
-    cwd = os.getcwd()
-    os.chdir(REPO)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = cli.main([str(a) for a in argv])
-            except SystemExit as e:  # argparse
-                code = e.code
-            except Exception:
-                err.write(traceback.format_exc())
-                code = 1
-    finally:
-        os.chdir(cwd)
-    return code, out.getvalue(), err.getvalue()
 
 
 def _run_all(argvs: dict) -> dict:
@@ -614,19 +592,6 @@ def test_report_scores_the_network_the_run_trained(tmp_path, capsys):
     assert cli.main(["report", f"r={run}", "--data", str(data)]) == 0
     table = capsys.readouterr().out
     assert table.splitlines()[0] == "| class | sites labeling it | r |" and "**mean**" in table, table
-
-
-@pytest.mark.simulator
-def test_a_failed_simulate_leaves_its_log_and_no_job_folder(tmp_path):
-    """A simulation that fails (three sites asked of a two-site scenario: the simulator stops) ends with one
-    line pointing at its log; the job folder it exported is removed, the log and workspace stay."""
-    data = tmp_path / "two-sites"
-    assert cli.main(["synth", "cxr", "--out", str(data), "--sites", "2", "--cases", "8", "--size", "16",
-                     "--test-cases", "8"]) == 0
-    ws = tmp_path / "sim"
-    code, out, err = _in_process(["simulate", "fedavg_cxr", "--data", data, "-n", "3", "--rounds", "1", "-w", ws])
-    assert code == 1 and "did not finish" in err and str(ws / "simulator.log") in err, err
-    assert (ws / "simulator.log").is_file() and not (ws / "jobs").exists()
 
 
 def test_synth_cases_is_what_its_help_says(tmp_path, capsys):

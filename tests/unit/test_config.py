@@ -10,7 +10,7 @@ import yaml
 
 from fedlabels.config import ConfigError, RunConfig
 
-JOBS = Path(__file__).resolve().parents[1] / "nvflare_jobs"
+JOBS = Path(__file__).resolve().parents[2] / "nvflare_jobs"
 
 
 def write(tmp_path, doc, name="fedlabels.json") -> Path:

@@ -109,7 +109,7 @@ def _stages(parser: ConfigParser, key: str) -> Compose:
 def roundtrip(root: Path, window: str) -> int:
     """Import ``hospital(root / "hospital")`` with ``--window window``, train one epoch, export, and check
     every imported image against its DICOM file through the exported bundle's configs; returns how many
-    were compared. (tests/test_release.py runs it again with the installed wheel.)"""
+    were compared. (tests/deploy/test_release.py runs it again with the installed wheel.)"""
     labels = hospital(root / "hospital")
     scen, run, exp = root / "scen", root / "run", root / "exp"
     assert cli.main(["import", str(labels), "--out", str(scen), "--workers", "1", "--quiet", "--window", window]) == 0

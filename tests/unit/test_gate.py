@@ -2,7 +2,7 @@
 
 Each attack is a configuration-only job's argument that MONAI's parser, the preset loader or the site
 would otherwise act on; each is refused naming its field, and where the attack writes a file, the file
-does not exist afterwards. The loopback federation (tests/test_deploy.py) refuses the same jobs at a
+does not exist afterwards. The loopback federation (tests/deploy/test_federation.py) refuses the same jobs at a
 provisioned site through nvflare's app_validator.
 """
 

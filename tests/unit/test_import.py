@@ -27,7 +27,7 @@ from fedlabels import cli
 from fedlabels.data.dicom import write_dicom
 from fedlabels.profile import load_scenario
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- helpers

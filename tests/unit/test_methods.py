@@ -353,11 +353,11 @@ def test_pos_weighted_is_one_default_for_every_multilabel_method():
     for name in registered:
         method = methods.get(name)
         assert "pos_weighted" in method.client_option_names(), name
-        if name in LOGIT_ADJUSTED:  # the paper's WPC loss has no positive weighting (tests/test_fedmlp.py)
+        if name in LOGIT_ADJUSTED:  # the paper's WPC loss has no positive weighting (tests/unit/test_fedmlp.py)
             assert method.client_presets["pos_weighted"] is False, name
         else:
             assert "pos_weighted" not in method.client_presets, name  # nobody else overrides the shared default
-    for name in MULTILABEL:  # the rules with a per-batch ``loss`` (the others: tests/test_fedmlp.py)
+    for name in MULTILABEL:  # the rules with a per-batch ``loss`` (the others: tests/unit/test_fedmlp.py)
         method = methods.get(name)
         on, off = client_of(name, make_net(), data), client_of(name, make_net(), data, pos_weighted=False)
         assert on.pos_weighted is True and off.pos_weighted is False, name

@@ -25,7 +25,7 @@ from PIL import Image
 from fedlabels.data import medmnist, partition, prepare
 from fedlabels.profile import load_scenario
 
-DATA = Path(os.environ.get("FEDLABELS_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+DATA = Path(os.environ.get("FEDLABELS_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
 
 
 def need(*parts):
@@ -195,7 +195,7 @@ def test_a_bundle_trains_one_epoch_on_each_real_scenario(tmp_path, bundle, datas
     """The prepared folders are what the MONAI bundles read (same format as the synthetic ones)."""
     from fedlabels.bundle import workflows as export  # an import error fails the test, it does not skip it
 
-    bundle_dir = Path(__file__).resolve().parents[1] / "bundles" / bundle
+    bundle_dir = Path(__file__).resolve().parents[2] / "bundles" / bundle
     assert (bundle_dir / "configs" / "train.json").is_file(), bundle_dir
     src = need("ph2") if dataset == "ph2" else need("medmnist", f"{dataset}.npz").parent
     out = run(dataset, "--src", src, "--protocol", protocol, "--test-cases", 20, "--out", tmp_path / "s", *extra)

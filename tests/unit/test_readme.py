@@ -10,64 +10,14 @@ they are Makefile targets. A command in the README that no test here runs fails 
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
+from readme_commands import CMDS, README, REPO, _program, _workdir, needs_simulator, run
 
-REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+
 
 # The entry points (run by a person or by CI, not by a test).
 ENTRY_POINTS = {"make demo", "make test"}
-# The commands that need the FLARE simulator, and the export and inference that need its run.
-SIMULATOR = ("python nvflare_jobs/", "nvflare simulator", "fedlabels export", "python -m monai.bundle")
-
-
-def commands(text: str) -> list:
-    """The commands of the ```bash blocks, continuation lines joined, comments dropped."""
-    out = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = line.split("  #", 1)[0].strip()
-            if line and not line.startswith("#"):
-                out.append(re.sub(r"\s+", " ", line))
-    return out
-
-
-def _program(cmd: str) -> str:
-    """The command without leading environment assignments (``VAR=value cmd ...``)."""
-    return re.sub(r"^(\w+=\S+\s+)+", "", cmd)
-
-
-def needs_simulator(cmd: str) -> bool:
-    return _program(cmd).startswith(SIMULATOR)
-
-
-def _env() -> dict:
-    bindir = str(Path(sys.executable).parent)  # fedlabels, nvflare and python of this environment
-    return dict(os.environ, OMP_NUM_THREADS="1", PATH=os.pathsep.join([bindir, os.environ.get("PATH", "")]),
-                PYTHONPATH=os.pathsep.join([str(REPO / "custom"), os.environ.get("PYTHONPATH", "")]))
-
-
-def _workdir(tmp_path: Path) -> Path:
-    work = tmp_path / "reader"
-    work.mkdir()
-    (work / "nvflare_jobs").symlink_to(REPO / "nvflare_jobs")
-    return work
-
-
-def run(cmd: str, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["bash", "-c", cmd], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"README command failed: {cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
-
-
-CMDS = commands(README.read_text())
 
 
 def test_the_readme_is_short_and_every_command_has_a_runner():
@@ -114,32 +64,3 @@ def test_researcher_path_and_provisioning_run_as_written(tmp_path):
     kits = re.search(r"--out (\S+)", fast[4]).group(1)
     for name in ("fl.example.org", "hospital-a", "hospital-b", "admin@example.org"):
         assert list((work / kits).rglob(f"{name}/startup")), name
-
-
-@pytest.mark.simulator
-def test_flare_and_clinical_paths_run_as_written(tmp_path):
-    work = _workdir(tmp_path)
-    # the scenario the FLARE commands point at is the researcher path's
-    synth = next(c for c in CMDS if _program(c).startswith("fedlabels synth"))
-    run(synth, work, timeout=300)
-    flare = [c for c in CMDS if needs_simulator(c)]
-    assert len(flare) == 5, flare
-    job_py, write_job, nvsim, export, infer = flare
-    run(job_py, work, timeout=900)
-    run_dir = work / re.search(r"--run (\S+)", export).group(1)
-    assert (run_dir / "app_server" / "best_FL_global_model.pt").is_file()
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == int(re.search(r"--rounds (\d+)", job_py).group(1))
-    assert list((run_dir / "tb").glob("events.out.tfevents.*"))  # the TensorBoard logs the README names
-    run(write_job, work, timeout=300)  # job.py --out: nvflare 2.9 takes --export for itself
-    job_dir = work / re.search(r"nvflare simulator (\S+)", nvsim).group(1)
-    assert json.loads((job_dir / "app" / "config" / "config_fed_server.json").read_text()
-                      )["workflows"][0]["args"]["num_rounds"] == int(re.search(r"--rounds (\d+)", write_job).group(1))
-    run(nvsim, work, timeout=900)
-    ws = work / re.search(r"-w (\S+)", nvsim).group(1)
-    assert (ws / "server" / "simulate_job" / "app_server" / "FL_global_model.pt").is_file()
-    out = run(export, work, timeout=600).stdout
-    assert "exported bundle" in out and "decision thresholds" in out
-    run(infer, work, timeout=600)
-    predictions = work / re.search(r"--output_dir (\S+)", infer).group(1) / "predictions.csv"
-    images = work / re.search(r"--dataset_dir (\S+)", infer).group(1)
-    assert len(predictions.read_text().splitlines()) == 1 + len(list(images.iterdir()))

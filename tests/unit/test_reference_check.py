@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(os.environ.get("FEDLABELS_SHARED_DATA", ROOT.parent / "shared" / "data"))
 ROUNDS, TOLERANCE = 40, 0.10
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -199,10 +199,12 @@ def test_the_project_rows_get_the_references_settings():
     upper = dict(o.split(":", 1)[1].split("=", 1) for o in rc.project_settings("isofed", "oracle:wfedavg", s)["opts"])
     assert "consistency_weight" not in upper and all(o.startswith("oracle:wfedavg:") for o in
                                                      rc.project_settings("isofed", "oracle:wfedavg", s)["opts"])
-    with pytest.raises(ValueError, match="clip"):
-        rc.project_settings("isofed", "isofed", {**s, "max_grad_norm": 5.0})
-    with pytest.raises(ValueError, match="momentum"):
-        rc.project_settings("isofed", "isofed", {**s, "momentum": 0.5})
+    # RSCFed's momentum, clipping and unlabeled lr reach the project's row as they reach the reference
+    assert float(opts["momentum"]) == 0.9 and float(opts["clip_grad_norm"]) == s["max_grad_norm"] == 5.0
+    assert float(opts["lr_unlabeled"]) == s["lr_unlabeled"] == 0.021
+    other = dict(o.split(":", 1)[1].split("=", 1) for o in
+                 rc.project_settings("isofed", "isofed", {**s, "momentum": 0.5, "max_grad_norm": None})["opts"])
+    assert float(other["momentum"]) == 0.5 and other["clip_grad_norm"] == "null"
 
 
 def test_one_class_everywhere_reads_every_run_of_both_sides():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from reference import semisup as ref  # noqa: E402
@@ -308,8 +308,9 @@ def test_project_unlabeled_client_equals_the_reference_over_two_rounds():
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(8, 3, generator=g)
-    s = {**ref.CHECK, "augment": "none", "strong": "none", "batch_size": 100, "lr": 0.1, "lambda_u": 2.0,
-         "ema_alpha": 0.3, "pretrain_epochs": 2}
+    # the unlabeled site's own lr and a clip small enough to act on this batch's gradients
+    s = {**ref.CHECK, "augment": "none", "strong": "none", "batch_size": 100, "lr": 0.1, "lr_unlabeled": 0.07,
+         "max_grad_norm": 0.05, "lambda_u": 2.0, "ema_alpha": 0.3, "pretrain_epochs": 2}
     profile = SiteProfile("site-u", "multiclass", ("a", "b"), (), "none")
     ctx = SiteContext(profile, [{"image": x, "image_strong": x, "label": torch.full((8,), -1)}],
                       label_summary(profile, [{"label": -1}] * 8))
@@ -318,9 +319,10 @@ def test_project_unlabeled_client_equals_the_reference_over_two_rounds():
     start = to_numpy(net.state_dict())
     client = SemiSupClient(net, ctx, temperature=s["temperature"], ema_alpha=s["ema_alpha"], lr=s["lr"],
                            optimizer="sgd", weight_decay=s["weight_decay"], consistency_weight=s["lambda_u"],
-                           pretrain=True, pretrain_epochs=s["pretrain_epochs"], reset_optimizer=False)
+                           pretrain=True, pretrain_epochs=s["pretrain_epochs"], reset_optimizer=False,
+                           lr_unlabeled=s["lr_unlabeled"], momentum=s["momentum"], clip_grad_norm=s["max_grad_norm"])
     rnet = torch.nn.Linear(3, 2)
-    ropt = ref.optimizer(rnet.parameters(), s, s["lr"])
+    ropt = ref.optimizer(rnet.parameters(), s, ref.site_lr(s, labeled=False))
     gen = torch.Generator().manual_seed(0)
     weights = start
     for rnd in (0, 1):

@@ -1,0 +1,70 @@
+"""Helpers that more than one test module uses (imported by name: ``from helpers import ...``)."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedlabels import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread():
+    """Tiny images gain nothing from intra-op threads; on a shared 2-core machine two OpenMP
+    threads stall whenever another process holds a core. Restored after the module that imports it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run_cli(argv) -> tuple:
+    """(exit code, stdout, stderr) of ``fedlabels ARGV`` run in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main([str(a) for a in argv])
+        except SystemExit as e:  # argparse refusals
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def cli_in_repo(argv) -> tuple:
+    """(exit code, stdout, stderr) of ``fedlabels ARGV`` run through ``cli.main`` in this process, from the
+    repository as the subprocesses; an exception escaping ``main`` is written to stderr as the interpreter would."""
+    out, err = io.StringIO(), io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main([str(a) for a in argv])
+            except SystemExit as e:  # argparse
+                code = e.code
+            except Exception:
+                err.write(traceback.format_exc())
+                code = 1
+    finally:
+        os.chdir(cwd)
+    return code, out.getvalue(), err.getvalue()
+
+
+def read_csv(path: Path) -> list:
+    """The rows of a CSV file as dicts."""
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def fedlabels_env() -> dict:
+    """The environment of a ``python -m fedlabels.cli`` subprocess: one OpenMP thread, the checkout's package."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(REPO / "custom"), os.environ.get("PYTHONPATH", "")]))
