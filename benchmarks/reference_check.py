@@ -297,10 +297,6 @@ def project_settings(protocol: str, row: str, s: dict) -> dict:
     stops here, naming it; so does a preset whose scaling or weak augmentation is not the reference's."""
     if row not in METHOD_ROWS:
         raise ValueError(f"row {row!r}: the method references cover {sorted(METHOD_ROWS)}")
-    if s["optimizer"] == "sgd" and s["momentum"] != 0.9:
-        raise ValueError(f"momentum {s['momentum']}: the project's SGD has momentum 0.9 only")
-    if s["max_grad_norm"]:
-        raise ValueError("max_grad_norm: the project's client does not clip gradients")
     if s["distance"] != "paper":
         raise ValueError(f"distance {s['distance']!r}: the project implements the paper's (the flattened model)")
     bundle = reference_settings(protocol)  # the preset's scaling and weak augmentation, as the reference names them
@@ -310,9 +306,12 @@ def project_settings(protocol: str, row: str, s: dict) -> dict:
     if s["strong"] != "hflip":
         raise ValueError(f"strong view {s['strong']!r}: the check has the project's equivalent of 'hflip' only")
     client = {"optimizer": s["optimizer"], "lr": s["lr"], "weight_decay": s["weight_decay"],
-              "reset_optimizer": not s["carry_optimizer"]}
+              "reset_optimizer": not s["carry_optimizer"], "clip_grad_norm": s["max_grad_norm"]}
+    if s["optimizer"] == "sgd":
+        client["momentum"] = s["momentum"]
     if row != "oracle:wfedavg":
-        client |= {"consistency_weight": s["lambda_u"], "temperature": s["temperature"], "ema_alpha": s["ema_alpha"]}
+        client |= {"consistency_weight": s["lambda_u"], "temperature": s["temperature"], "ema_alpha": s["ema_alpha"],
+                   "lr_unlabeled": s.get("lr_unlabeled")}
     if row == "isofed":
         client |= {"pretrain": True, "pretrain_epochs": s["pretrain_epochs"], "pretrain_target": "both",
                    "pretrain_sites": "unlabeled"}
@@ -415,7 +414,7 @@ COVERAGE = [
     ("`fedmlp`, `fedmlp-preset`, `fedmlp-scale`, `fedmlp-cxr` (FedMLP, FedPSL, Surgical and the other multi-label rows)",
      "the upper bound's training path only (`oracle:fedavg`, `fedmlp_blood` and `cxr` presets, one training seed); "
      "no method row: Surgical Aggregation's server rule is checked against its reference in "
-     "`tests/test_reference_methods.py` on hand-made inputs, not in training"),
+     "`tests/unit/test_reference_methods.py` on hand-made inputs, not in training"),
     ("`fedmix-ph2`, `fedmix-lesion` (FedMix, FedST, FedAvg)",
      "the upper bound's training path on PH2 at 32 px only (`oracle:fedavg`, one training seed); no method row"),
     ("`isofed`, `isofed-100`, `fedmlp` (bundle defaults, the old per-image min-max scaling)",

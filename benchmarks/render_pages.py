@@ -12,7 +12,7 @@ optionally followed by ``| table=2`` (only the section's second table; default: 
 of the section, its sub-sections included) and ``| rows=FedAvg;Surgical`` (only the rows whose
 first cell starts with one of these). The script copies those tables from the file as they
 are, and names the file and section under them, so a number on a page is the number in its
-file. Numbers are never typed into a block by hand: ``--check`` (and tests/test_results_pages.py)
+file. Numbers are never typed into a block by hand: ``--check`` (and tests/unit/test_results_pages.py)
 fails when a committed page differs from what this script renders.
 
     python benchmarks/render_pages.py           rewrite the pages' generated blocks

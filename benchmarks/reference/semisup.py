@@ -85,16 +85,15 @@ RSCFED = {
 
 # What the reference runs beside the project's rows (``benchmarks/reference_check.py --rows``): RSCFed's values
 # where the project can express them; each value left out is named, with what runs instead and why.
-CHECK = {"optimizer": "sgd", "lr": RSCFED["lr_labeled"][0], "momentum": RSCFED["momentum"][0],
+CHECK = {"optimizer": "sgd", "lr": RSCFED["lr_labeled"][0], "lr_unlabeled": RSCFED["lr_unlabeled"][0],
+         "momentum": RSCFED["momentum"][0],
          "weight_decay": RSCFED["weight_decay"][0], "batch_size": RSCFED["batch_size"][0],
          "epochs": RSCFED["local_epochs"][0], "lambda_u": RSCFED["lambda_u"][0],
          "temperature": RSCFED["temperature"][0], "ema_alpha": round(1 - RSCFED["ema_decay"][0], 12),
          "sup_scale": RSCFED["sup_scale"][0], "dist_scale": RSCFED["dist_scale"][0],
-         "carry_optimizer": RSCFED["carry_optimizer"][0], "max_grad_norm": None, "augment": "hflip",
-         "strong": "hflip", "scaling": "fixed", "distance": "paper", "pretrain_epochs": 1}
+         "carry_optimizer": RSCFED["carry_optimizer"][0], "max_grad_norm": RSCFED["max_grad_norm"][0],
+         "augment": "hflip", "strong": "hflip", "scaling": "fixed", "distance": "paper", "pretrain_epochs": 1}
 LEFT_OUT = {
-    "lr_unlabeled": "one lr (RSCFed's labeled 0.03) for every site: the project has one lr per method row",
-    "max_grad_norm": "no clipping: the project's client has no gradient clipping",
     "augment": "a left-right flip only, no random crop (RSCFed crops 32 px out of 40 px; MedMNIST is 28 px and the "
                "project's bundle has no crop); the student's view is a second independent flip, as RSCFed's second "
                "weak view",
@@ -217,10 +216,16 @@ def train_labeled(net, opt, x, y, s, gen) -> None:
                   s["max_grad_norm"])
 
 
+def site_lr(s: dict, labeled: bool) -> float:
+    """RSCFed's lr per kind of site: --base_lr on labeled clients, --unsup_lr on unlabeled ones (absent: one lr)."""
+    return s["lr"] if labeled or s.get("lr_unlabeled") is None else s["lr_unlabeled"]
+
+
 def pretrain(net, x, s, gen) -> None:
-    """Client-adaptive pretraining: the IM loss on weak views, a fresh optimizer of the site's kind and lr."""
+    """Client-adaptive pretraining: the IM loss on weak views, a fresh optimizer of the site's kind and lr
+    (an unlabeled site's)."""
     net.train()
-    opt = optimizer(net.parameters(), s, s["lr"])
+    opt = optimizer(net.parameters(), s, site_lr(s, labeled=False))
     for _ in range(s["pretrain_epochs"]):
         for idx in _batches(len(x), s["batch_size"], gen):
             _step(im_loss(net(AUGMENT[s["augment"]](x[idx], gen))), opt, net, s["max_grad_norm"])
@@ -254,12 +259,12 @@ class Site:
         self.x, self.y, self.labeled, self.n = x, y, labeled, len(x)
         self.net = make_net()
         self.s = s
-        self.opt = optimizer(self.net.parameters(), s, s["lr"])
+        self.opt = optimizer(self.net.parameters(), s, site_lr(s, labeled))
 
     def train(self, weights: dict, method: str, gen) -> dict:
         self.net.load_state_dict(weights)  # in place: the optimizer keeps its parameters (and state)
         if not self.s["carry_optimizer"]:
-            self.opt = optimizer(self.net.parameters(), self.s, self.s["lr"])
+            self.opt = optimizer(self.net.parameters(), self.s, site_lr(self.s, self.labeled))
         if self.labeled:
             train_labeled(self.net, self.opt, self.x, self.y, self.s, gen)
         else:

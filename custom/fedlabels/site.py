@@ -99,7 +99,7 @@ class CachedCases(CacheDataset):
 
     The cached case is not deep-copied before the random transforms
     (``copy_cache=False``): every bundle's random transforms return new
-    tensors (tests/test_site.py checks the cache is unchanged after training
+    tensors (tests/unit/test_site.py checks the cache is unchanged after training
     draws), and the copy cost as much as a 28 px transform."""
 
     def __init__(self, *args, **kw):

@@ -4,7 +4,7 @@ MONAI's ``RandAffined`` and ``RandAdjustContrastd`` run per case in the data loa
 costs about 0.6 ms a case, a third of a narrow ResNet-18's training step. The classes here draw
 their parameters per case exactly as those transforms do (same ranges, same probability, from the
 transform's ``R``) and apply them to the collated batch in one ``grid_sample``: the same
-augmentation (``tests/test_augment.py`` checks each case against MONAI's ``Affine`` and
+augmentation (``tests/unit/test_augment.py`` checks each case against MONAI's ``Affine`` and
 ``AdjustContrast`` with the drawn parameters), a fraction of the cost. A bundle opts in with
 ``train#batch_transforms`` (``BatchCollate`` becomes its training loader's ``collate_fn``).
 """

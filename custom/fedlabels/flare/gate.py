@@ -42,7 +42,7 @@ ALLOWED = ("fedlabels.flare.controller.FedLabelsController", EXECUTOR, "fedlabel
            "fedlabels.nets", "nvflare.app_opt.pt.file_model_persistor.PTFileModelPersistor",
            "nvflare.app_opt.pt.file_model_locator.PTFileModelLocator", "nvflare.app_opt.pt.quantization",
            "nvflare.app_common.filters.exclude_vars.ExcludeVars")
-# The networks' own arguments a job may override (fedlabels.nets; tests/test_gate.py keeps this list equal
+# The networks' own arguments a job may override (fedlabels.nets; tests/unit/test_gate.py keeps this list equal
 # to the constructors' signatures less init_ckpt, which names a file the site would unpickle).
 NETWORK_KEYS = ("spatial_dims", "in_channels", "out_channels", "hidden", "dropout", "widen_factor", "features",
                 "num_groups", "output")
