@@ -31,7 +31,9 @@ def imports(name: str, path: Path, modules: dict) -> set:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            candidates = [target] + [f"{target}.{a.name}" for a in node.names]
+            subs = [f"{target}.{a.name}" for a in node.names]
+            # "from . import b" imports the module b; the package counts only for a name defined in it
+            candidates = subs + ([] if all(m in modules for m in subs) else [target])
         elif isinstance(node, ast.Import):
             candidates = [a.name for a in node.names]
         else:
