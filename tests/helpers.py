@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import hashlib
 import io
 import os
 import traceback
@@ -68,3 +69,24 @@ def fedlabels_env() -> dict:
     """The environment of a ``python -m fedlabels.cli`` subprocess: one OpenMP thread, the checkout's package."""
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [str(REPO / "custom"), os.environ.get("PYTHONPATH", "")]))
+
+
+def digest(root) -> str:
+    """SHA-256 of every file under ``root``: relative paths and bytes, in sorted order."""
+    h = hashlib.sha256()
+    for p in sorted(Path(root).rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def site_context(profile, batches, summary=None, *, labels=None, seed=0):
+    """A client rule's ``SiteContext`` over hand-made batches: with ``labels`` (one per training case, as a
+    scenario gives them) its summary is their ``label_summary``, else ``summary`` as given."""
+    from fedlabels.methods.base import SiteContext
+    from fedlabels.profile import label_summary
+
+    if labels is not None:
+        summary = label_summary(profile, [{"label": label} for label in labels])
+    return SiteContext(profile, batches, summary, seed=seed)

@@ -19,6 +19,7 @@ from fedlabels.methods.fedmlp import (FedMLPServer, average_prototypes, global_d
                                       select_tags, wpc_loss, z_scores)
 from fedlabels.methods.pseudo_labels import distillation_loss, fixmatch_targets, rampup
 from fedlabels.references import setups
+from helpers import site_context
 
 SMALL = dict(batch_size=8, config={"image_size": 32}, network_overrides={"widen_factor": 0.25})
 
@@ -274,8 +275,7 @@ class Tiny(torch.nn.Module):
 def test_fedmlp_step_matches_a_reference_loop(options):
     """Stage 2: WPC over labels and tags with the logit shift, consistency on the untagged missing
     entries against the received model, averaged over the two views."""
-    from fedlabels.methods.base import SiteContext
-    from fedlabels.profile import SiteProfile, label_summary
+    from fedlabels.profile import SiteProfile
 
     g = torch.Generator().manual_seed(2)
     profile = SiteProfile("s", "multilabel", ("a", "b", "c"), ("a",))
@@ -283,7 +283,7 @@ def test_fedmlp_step_matches_a_reference_loop(options):
     y[:, 0] = torch.tensor([1.0, 0, 0, 1, 0, 0])
     batch = {"image": torch.randn(6, 4, generator=g), "image_strong": torch.randn(6, 4, generator=g), "label": y,
              "index": torch.arange(6)}
-    ctx = SiteContext(profile, [batch], label_summary(profile, [{"label": r.long().tolist()} for r in y]))
+    ctx = site_context(profile, [batch], labels=[r.long().tolist() for r in y])
     torch.manual_seed(0)
     net = Tiny()
     ref = copy.deepcopy(net)
@@ -373,16 +373,14 @@ def test_fednoro_rampup_and_distillation_by_hand():
 
 def tiny_site():
     """A 3-class site annotating class 0 only; a batch with a weak and a strong view."""
-    from fedlabels.methods.base import SiteContext
-    from fedlabels.profile import SiteProfile, label_summary
+    from fedlabels.profile import SiteProfile
 
     g = torch.Generator().manual_seed(1)
     profile = SiteProfile("s", "multilabel", ("a", "b", "c"), ("a",))
     y = torch.full((6, 3), -1.0)
     y[:, 0] = torch.tensor([1.0, 0, 0, 1, 0, 0])
     batch = {"image": torch.randn(6, 4, generator=g), "image_strong": torch.randn(6, 4, generator=g), "label": y}
-    summary = label_summary(profile, [{"label": r.long().tolist()} for r in y])
-    return SiteContext(profile, [batch], summary), batch
+    return site_context(profile, [batch], labels=[r.long().tolist() for r in y]), batch
 
 
 def test_fixmatch_and_fednoro_steps_match_a_reference_loop():

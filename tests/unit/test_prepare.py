@@ -27,6 +27,7 @@ from fedlabels.data.common import PrepareError, write_mhd
 from fedlabels.data.dicom import read_dicom_header, read_dicom_image, write_dicom
 from fedlabels.data.partition import FEDPSL_CLASSES_6, FEDPSL_SITE_CLASSES_6
 from fedlabels.profile import ScenarioError, format_summary, load_scenario
+from helpers import digest
 
 NIH_NAMES = {c: n for c, n in zip(NIH_CLASSES, ["Atelectasis", "Cardiomegaly", "Effusion", "Infiltration", "Mass",
                                                 "Nodule", "Pneumonia", "Pneumothorax", "Consolidation", "Edema",
@@ -99,15 +100,6 @@ def write_csv(path, header, rows):
         w = csv.writer(f)
         w.writerow(header)
         w.writerows(rows)
-
-
-def digest(root):
-    h = hashlib.sha256()
-    for p in sorted(Path(root).rglob("*")):
-        if p.is_file():
-            h.update(str(p.relative_to(root)).encode())
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 def items(site):

@@ -17,6 +17,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from reference import semisup as ref  # noqa: E402
 from reference import surgical as ref_surgical  # noqa: E402
+from helpers import site_context
 
 
 def t(x):
@@ -302,9 +303,9 @@ def test_read_sites_tells_labeled_from_unlabeled_sites_and_refuses_a_mixed_one(t
 def test_project_unlabeled_client_equals_the_reference_over_two_rounds():
     """IsoFed's unlabeled site, two rounds, SGD state carried: IM pretraining, then the mean teacher. One batch
     holding every case and no augmentation, so the reference's shuffling cannot change its per-case means."""
-    from fedlabels.methods.base import SiteContext, to_numpy
+    from fedlabels.methods.base import to_numpy
     from fedlabels.methods.semisup import SemiSupClient
-    from fedlabels.profile import SiteProfile, label_summary
+    from fedlabels.profile import SiteProfile
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(8, 3, generator=g)
@@ -312,8 +313,7 @@ def test_project_unlabeled_client_equals_the_reference_over_two_rounds():
     s = {**ref.CHECK, "augment": "none", "strong": "none", "batch_size": 100, "lr": 0.1, "lr_unlabeled": 0.07,
          "max_grad_norm": 0.05, "lambda_u": 2.0, "ema_alpha": 0.3, "pretrain_epochs": 2}
     profile = SiteProfile("site-u", "multiclass", ("a", "b"), (), "none")
-    ctx = SiteContext(profile, [{"image": x, "image_strong": x, "label": torch.full((8,), -1)}],
-                      label_summary(profile, [{"label": -1}] * 8))
+    ctx = site_context(profile, [{"image": x, "image_strong": x, "label": torch.full((8,), -1)}], labels=[-1] * 8)
     torch.manual_seed(0)
     net = torch.nn.Linear(3, 2)
     start = to_numpy(net.state_dict())

@@ -11,9 +11,10 @@ from fedlabels import methods
 from fedlabels.engine import RoundEngine
 from fedlabels.losses import consistency_mse, information_maximization, sharpen
 from fedlabels.methods.aggregate import distance_weights
-from fedlabels.methods.base import DRAW, SiteContext, Update, to_numpy
+from fedlabels.methods.base import DRAW, Update, to_numpy
 from fedlabels.methods.semisup import IsoFedServer, RSCFedServer, SemiSupClient, WeightedFedAvgServer
-from fedlabels.profile import SiteProfile, label_summary
+from fedlabels.profile import SiteProfile
+from helpers import site_context
 
 CLASSES = ("a", "b")
 
@@ -201,8 +202,7 @@ def test_consistency_mse_by_hand():
 
 def _site(labeled: bool, batches, name="site-u"):
     profile = SiteProfile(name, "multiclass", CLASSES, CLASSES if labeled else (), "image" if labeled else "none")
-    items = [{"label": 0 if labeled else -1}] * sum(len(b["image"]) for b in batches)
-    return SiteContext(profile, batches, label_summary(profile, items))
+    return site_context(profile, batches, labels=[0 if labeled else -1] * sum(len(b["image"]) for b in batches))
 
 
 def _batches(seed=0, n=2, nan=False):

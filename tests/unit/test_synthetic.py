@@ -1,6 +1,5 @@
 """The embedded default data: deterministic, the right layout, boxes that hold their masks."""
 
-import hashlib
 import json
 import os
 import subprocess
@@ -13,15 +12,7 @@ from PIL import Image
 from fedlabels.data import synthetic
 from fedlabels.data.synthetic import CXR_ANNOTATED_FRACTION, CXR_SITE_CLASSES, cxr_site_cases, generate
 from fedlabels.profile import load_scenario
-
-
-def digest(root):
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            h.update(str(p.relative_to(root)).encode())
-            h.update(p.read_bytes())
-    return h.hexdigest()
+from helpers import digest
 
 
 def test_same_seed_same_bytes_other_seed_differs(tmp_path):
