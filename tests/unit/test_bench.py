@@ -9,7 +9,7 @@ computed, for the right cell, model and class), not an independent one, since be
 calls the same functions. The engine and the rules are checked against hand-written
 loops in tests/unit/test_engine.py and tests/unit/test_methods.py, the training path against a
 plain-PyTorch FedAvg in tests/unit/test_reference_check.py. The FLARE-engine test runs the
-real simulator and carries the ``simulator`` marker.
+real simulator: tests/simulator/test_bench_flare.py.
 """
 
 from __future__ import annotations

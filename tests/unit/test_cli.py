@@ -5,7 +5,8 @@ Every command that reads a scenario folder validates it with
 process through ``cli.main`` (its output captured; an exception escaping it counts as
 a traceback); two run as real subprocesses, at once, to show that the console entry
 point prints no traceback either: ``train`` (the light parser) and ``simulate`` (the
-FLARE parser).
+FLARE parser). A ``simulate`` that fails in the real simulator is
+tests/simulator/test_cli_simulate.py.
 """
 
 from __future__ import annotations

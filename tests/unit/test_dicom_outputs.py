@@ -5,7 +5,7 @@ What a clinical engineer would check before plugging a bundle into a PACS:
 * DICOM files are found by content (no ``.dcm`` needed) and read as they are
   displayed: rescale (modality LUT) and window / VOI LUT applied, MONOCHROME1
   inverted -- against pixel values computed by hand;
-* a federated classification run (FedAvg in the nvflare simulator) and a FedMix
+* (tests/simulator/test_dicom_runs.py) a federated classification run (FedAvg in the nvflare simulator) and a FedMix
   segmentation run, exported with ``fedlabels export``, run with ``python -m
   monai.bundle run`` and ``configs/inference_dicom.json`` on generated DICOM
   series: the SR and the SEG read back with pydicom and highdicom, reference
@@ -13,8 +13,9 @@ What a clinical engineer would check before plugging a bundle into a PACS:
   PNG mask of the same picture, a non-DICOM input gives no DICOM object, an
   unreadable DICOM is named in one warning and the run goes on.
 
-The two federated runs are test_flare's and test_fedmix_flare's (their fixtures,
-imported): in one session each job runs in the simulator once.
+The two federated runs are test_flare_runs's and test_fedmix_flare's (their fixtures,
+imported there): in one session each job runs in the simulator once. The DICOM test inputs
+and output readers both modules use are tests/dicom_files.py.
 """
 
 from __future__ import annotations

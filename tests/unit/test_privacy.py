@@ -1,5 +1,6 @@
 """Noised label summaries (fedlabels.privacy): clipping, the noise, the accountant's
-(epsilon, delta), the option's validation, and one release reused for every message."""
+(epsilon, delta), the option's validation, and one release reused for every message. The noised summary
+in every message of a real simulator run is tests/simulator/test_privacy_runs.py."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 ``fedlabels import`` runs as a real subprocess twice: once with its output on a pseudo-terminal
 (the bar, redrawn in place with carriage returns) and once into a pipe (plain lines, each with
 the time left). ``fedlabels simulate``'s per-round report reads the run's metrics.jsonl as the
-server rewrites it: checked on a file written round by round, and (``simulator`` marker) with the
-real command, whose per-round lines must arrive while the simulator still runs.
+server rewrites it: checked here on a file written round by round, and with the real command, whose per-round lines
+must arrive while the simulator still runs, in tests/simulator/test_progress_simulate.py.
 """
 
 from __future__ import annotations

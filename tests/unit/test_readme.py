@@ -2,8 +2,8 @@
 
 The README's shell blocks are read here, not copied: each command is run with ``bash`` in a
 fresh folder (with the repository's ``nvflare_jobs`` beside it, as in a clone). The researcher
-path and provisioning run in the fast lane; the FLARE simulator runs and the clinical bundle
-made from one of them run under the ``simulator`` marker. ``make demo`` and ``make test`` are the
+path and provisioning run here; the FLARE simulator runs and the clinical bundle made from one
+of them in tests/simulator/test_readme_flare.py (the commands are read by tests/readme_commands.py). ``make demo`` and ``make test`` are the
 entry points themselves (CI runs ``.ci/run``, which calls ``make test``); the test checks that
 they are Makefile targets. A command in the README that no test here runs fails the coverage test.
 """
