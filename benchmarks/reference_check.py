@@ -132,7 +132,9 @@ def project_cell(protocol: str, data: Path, seed: int, rounds: int, eval_rounds:
     plan = bench.make_plan(args)
     plan.overrides = dict(config or {})  # e.g. a test switching the scaling back
     bench.prepare_data(plan)
-    scorer = bench.Scorer(plan.bundle, plan.datasets[seed], plan.network, plan.config)
+    from fedlabels.scoring import Scorer
+
+    scorer = Scorer(plan.bundle, plan.datasets[seed], plan.network, plan.config)
     # Time the sites' scoring of the received model (best-model selection, which the reference does not do)
     # apart from their training.
     from fedlabels import site

@@ -90,3 +90,15 @@ def site_context(profile, batches, summary=None, *, labels=None, seed=0):
     if labels is not None:
         summary = label_summary(profile, [{"label": label} for label in labels])
     return SiteContext(profile, batches, summary, seed=seed)
+
+
+def score_directly(net, weights, bundle, data, config=None) -> dict:
+    """``fedlabels.site.evaluate`` of ``weights`` loaded into ``net`` on the test split, without
+    ``fedlabels.scoring.Scorer``: what the tests compare the scorer's numbers with."""
+    from fedlabels.methods.base import load_weights
+    from fedlabels.profile import load_scenario
+    from fedlabels.site import evaluate, test_loader
+
+    sc = load_scenario(data, sites=[], with_test=False)
+    load_weights(net, weights)
+    return evaluate(net, test_loader(bundle, data, config=config), sc.task, sc.classes)

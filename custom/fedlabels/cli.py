@@ -136,12 +136,12 @@ def cmd_evaluate(args):
 
 def cmd_export(args):
     from .bundle.workflows import export_bundle
+    from .run import Run
 
     if not args.ckpt and not args.run:
         raise ValueError("export needs --ckpt MODEL or --run RUN_DIR (its best global model)")
     # default: the run's best model; with --site-state the last one, whose round the state file's batch norm is from
-    ckpt = args.ckpt or os.path.join(args.run, "app_server",
-                                     "FL_global_model.pt" if args.site_state else "best_FL_global_model.pt")
+    ckpt = args.ckpt or Run(args.run).model_path("last" if args.site_state else "best")
     out = export_bundle(args.bundle, ckpt, args.out, data=args.data, run=args.run, site_state=args.site_state,
                         twin=args.twin)
     _say(f"exported bundle: {out}")

@@ -18,8 +18,9 @@ from torch.utils.data import ConcatDataset
 from . import methods
 from .config import KEY_METRICS
 from .engine import RoundEngine
-from .methods.base import SiteContext, load_weights, to_numpy
-from .site import SiteSetup, evaluate, flat_metrics, setup_site, test_loader, train_task, validate_task
+from .methods.base import SiteContext, to_numpy
+from .scoring import Scorer
+from .site import SiteSetup, evaluate, flat_metrics, setup_site, train_task, validate_task
 from .nets import rebuild
 from .profile import SiteProfile, label_summary, load_scenario
 from .progress import number
@@ -97,24 +98,16 @@ def federate(method: str, site_setups: dict, rounds: int, seed=0, log=print, cli
     return {"last": weights, "best": best, "records": records, "clients": clients}
 
 
-def score(net, weights, bundle, data, loader=None, config=None) -> dict:
-    """Test-split metrics of ``weights`` loaded into ``net`` (``loader``: a
-    ``test_loader(bundle, data)`` to reuse across calls; ``config``: bundle config overrides)."""
-    sc = load_scenario(data, sites=[], with_test=False)
-    load_weights(net, weights)
-    return evaluate(net, loader or test_loader(bundle, data, config=config), sc.task, sc.classes)
-
-
 def local(bundle, data, epochs: int, batch_size=None, seed=0, log=print, client_options=None,
           network_overrides=None, config=None) -> dict:
     """Each site alone; its model scored on the test split and on every site's validation data."""
     site_setups = setups(bundle, data, batch_size=batch_size, seed=seed, network_overrides=network_overrides,
                          config=config)
-    tests, out = test_loader(bundle, data, config=config), {}
+    scorer, out = Scorer(bundle, data, network_overrides, config, groups=False), {}
     for name, st in site_setups.items():
         client = methods.get("fedavg_pl").make_client(st.net, st.context(), epochs=epochs, **(client_options or {}))
         client.train(to_numpy(st.net.state_dict()), 0)
-        out[name] = {"test": score(st.net, to_numpy(st.net.state_dict()), bundle, data, tests),
+        out[name] = {"test": scorer.evaluate(to_numpy(st.net.state_dict())),
                      "sites": {o: evaluate(st.net, ot.val_loader, ot.task, ot.classes) for o, ot in site_setups.items()}}
         if log:
             log(f"[local] {name}: test AUROC {out[name]['test'].get('auroc')}")
@@ -137,7 +130,7 @@ def pooled(bundle, data, epochs: int, oracle: bool, batch_size=None, seed=0, cli
     ctx = SiteContext(profile, loader, label_summary(profile, items), seed=seed)
     client = methods.get(name).make_client(first.net, ctx, epochs=epochs, **(client_options or {}))
     client.train(to_numpy(first.net.state_dict()), 0)
-    return score(first.net, to_numpy(first.net.state_dict()), bundle, data)
+    return Scorer(bundle, data, groups=False).evaluate(to_numpy(first.net.state_dict()))
 
 
-__all__ = ["federate", "local", "pooled", "setups", "score", "SiteSetup"]
+__all__ = ["federate", "local", "pooled", "setups", "SiteSetup"]

@@ -56,23 +56,22 @@ def measure(seed: int, out_dir: Path) -> dict:
     mean of its head row, per method; one torch thread."""
     import torch
 
-    from fedlabels import site
     from fedlabels.bundle import bundle_path
     from fedlabels.data.synthetic import generate
-    from fedlabels.references import federate, score, setups
+    from fedlabels.references import federate, setups
+    from fedlabels.scoring import Scorer
 
     torch.set_num_threads(1)
     data = generate("cxr", out_dir / "cxr", seed=seed, cases=150, test_cases=600)
     bundle = bundle_path("cxr_resnet18")
-    tests = site.test_loader(bundle, data)
+    scorer = Scorer(bundle, data, groups=False)
     out = {}
     for method in METHODS:
         st = setups(bundle, data, seed=seed)
         weights = federate(method, st, rounds=10, seed=seed, log=None, client_options={"lr": 1e-3, "epochs": 1})["last"]
-        net = st["site-1"].net
-        per_class = score(net, weights, bundle, data, tests)["per_class"]
+        per_class = scorer.evaluate(weights)["per_class"]
         out[method] = {c: per_class[c]["eo_ratio"] for c in SINGLE}
-        head = net.head.weight.detach()  # score() loaded the weights
+        head = scorer.net.head.weight.detach()  # evaluate() loaded the weights
         out[f"{method}/head"] = {c: float(head[CXR_CLASSES.index(c)].mean()) for c in SINGLE}
     out["threads"] = torch.get_num_threads()
     return out

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from fedlabels import bench, cli, references
 from fedlabels.bundle import bundle_path
-from helpers import read_csv as _read_csv, run_cli as _main
+from helpers import read_csv as _read_csv, run_cli as _main, score_directly
 
 BENCH = ["bench", "--data", "embedded:cxr", "--synth", "cases=12", "--synth", "test_cases=8", "--bundle",
          "cxr_resnet18", "--methods", "fedavg,surgical", "--seeds", "0", "--rounds", "2", "--batch-size", "8",
@@ -125,7 +125,7 @@ def test_reuse_copies_only_cells_with_the_same_settings(run, tmp_path):
 
 def test_numbers_are_the_engines_own_a_plumbing_check(run):
     """Plumbing check: the CSV's numbers for FedAvg (last and best, mean and per class) and one floor row
-    equal ``references.federate`` / ``score`` / ``local`` called directly with the same settings. Not an
+    equal ``references.federate`` / ``local`` and the test split scored directly (``helpers.score_directly``) with the same settings. Not an
     independent computation: bench calls these functions (see the module docstring for what checks them)."""
     rows, data = run["rows"], run["out"] / "data" / "cxr-seed0"
     bundle = bundle_path("cxr_resnet18")
@@ -134,7 +134,7 @@ def test_numbers_are_the_engines_own_a_plumbing_check(run):
     result = references.federate("fedavg", setups, 2, seed=0, log=None, client_options={"lr": 1e-3, "epochs": 1})
     net = next(iter(setups.values())).net
     for model in ("last", "best"):
-        metrics = references.score(net, result[model], bundle, data, config=small["config"])
+        metrics = score_directly(net, result[model], bundle, data, config=small["config"])
         where = dict(method="fedavg", seed=0, round=2, model=model, group="pooled", metric="auroc")
         assert metrics["auroc"] is not None
         assert _value(rows, **where, **{"class": "mean"}) == pytest.approx(metrics["auroc"], abs=1e-9)
@@ -147,7 +147,7 @@ def test_numbers_are_the_engines_own_a_plumbing_check(run):
 
 
 def test_test_items_with_a_group_are_also_scored_per_group(run, tmp_path):
-    """Pooled rows are ``references.score``; a group's rows are the score of a test split holding that group only."""
+    """Pooled rows are the test split scored directly; a group's rows are the score of a test split holding that group only."""
     import json
     import shutil
 
@@ -165,12 +165,14 @@ def test_test_items_with_a_group_are_also_scored_per_group(run, tmp_path):
     shutil.copytree(grouped, only_a)
     (only_a / "test" / "datalist.json").write_text(json.dumps({"testing": [i for i in items if i["group"] == "hospital-a"]}))
 
-    scorer = bench.Scorer(bundle, grouped)
+    from fedlabels.scoring import Scorer
+
+    scorer = Scorer(bundle, grouped)
     weights = to_numpy(scorer.net.state_dict())
     scored = {(g, c, m): v for g, c, m, v in scorer(weights)}
     assert {g for g, _, _ in scored} == {"pooled", "hospital-a", "hospital-b"}
-    pooled = references.score(scorer.net, weights, bundle, grouped)
-    group_a = references.score(scorer.net, weights, bundle, only_a)
+    pooled = score_directly(scorer.net, weights, bundle, grouped)
+    group_a = score_directly(scorer.net, weights, bundle, only_a)
     for metric in ("auroc", "ap", "bacc"):
         assert scored[("pooled", "mean", metric)] == pooled[metric]
         assert scored[("hospital-a", "mean", metric)] == group_a[metric]

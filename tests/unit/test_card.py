@@ -126,7 +126,7 @@ def test_the_card_names_the_round_and_the_sites_the_best_model_comes_from(tmp_pa
     over site-1 alone once site-2 was lost)."""
     import json
 
-    from fedlabels.bundle.workflows import run_provenance
+    from fedlabels.run import Run
     from fedlabels.config import FILE, RunConfig
 
     run = tmp_path / "run"
@@ -137,7 +137,7 @@ def test_the_card_names_the_round_and_the_sites_the_best_model_comes_from(tmp_pa
         {"round": 0, "sites": {"site-1": {}, "site-2": {}}, "mean_val_auroc": 0.7},
         {"round": 1, "sites": {"site-1": {}, "site-2": {}}, "mean_val_auroc": 0.6},
         {"round": 2, "sites": {"site-1": {}}, "mean_val_auroc": 0.7, "scored_by": ["site-1"]}]) + "\n")
-    prov = run_provenance(run, run / "app_server" / "best_FL_global_model.pt")
+    prov = Run(run).provenance(run / "app_server" / "best_FL_global_model.pt")
     assert prov["model_after_rounds"] == 2 and prov["best_scored_by"] == ["site-1"]
     text = card.model_card({"name": "x", "class_names": ["a"], "provenance": prov})
     assert "The model after round(s): 2" in text

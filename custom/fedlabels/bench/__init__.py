@@ -59,8 +59,8 @@ Modules: ``plan`` (the options checked into a ``Plan`` before anything trains; t
 
 from __future__ import annotations
 
-# the package's API: the plan, the cells and their scorer, as the command line and the benchmarks use them
-from .cells import (Cell, Scorer, cell_config, cells, run, run_federated_flare,  # noqa: F401
+# the package's API: the plan and its cells, as the command line and the benchmarks use them
+from .cells import (Cell, cell_config, cells, run, run_federated_flare,  # noqa: F401
                     run_federated_inprocess, run_floor)
 from .plan import (ALL, CSV_COLUMNS, ENGINES, FLOOR, MEAN, ORACLE, POOLED, TEST_METRICS, Plan, base_method,
                    make_plan, prepare_data)  # noqa: F401

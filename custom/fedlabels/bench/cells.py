@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import progress
-from .plan import (CSV_COLUMNS, FLOOR, MEAN, ORACLE, POOLED, PRIMARY, TEST_METRICS, Plan, _say, base_method,
-                   floor_method)
+from ..scoring import Scorer
+from .plan import CSV_COLUMNS, FLOOR, MEAN, ORACLE, POOLED, PRIMARY, Plan, _say, base_method, floor_method
 from .report import markdown, plot
 
 # ---------------------------------------------------------------- cells
@@ -67,51 +67,6 @@ def cells(plan: Plan) -> list:
         out += [Cell(m, seed) for m in plan.methods]
         out += [Cell(f"{FLOOR}:{s}", seed, s) for s in floor_sites(plan.scenarios[seed])]
     return out
-
-
-class Scorer:
-    """Test-split metrics of one scenario: pooled (``references.score``) and per test-item ``group``."""
-
-    def __init__(self, bundle, data, network_overrides=None, config=None):
-        from monai.data import DataLoader
-        from torch.utils.data import Subset
-
-        from ..profile import load_scenario
-        from ..bundle import network
-        from ..site import test_loader
-
-        sc = load_scenario(data, sites=[], with_test=True)
-        self.task, self.classes = sc.task, sc.classes
-        self.loader = test_loader(bundle, data, config=config)
-        self.net = network(bundle, network_overrides or None, dataset_dir=data, class_names=list(sc.classes),
-                           **(config or {}))
-        self.n = len(sc.test)
-        self.groups = {POOLED: self.loader}
-        names = [i.get("group", i.get("site")) for i in sc.test]  # prepared scenarios name a test item's site
-        if any(g is not None for g in names):
-            names = ["(no group)" if n is None else str(n) for n in names]
-            for g in sorted(set(names)):
-                idx = [i for i, n in enumerate(names) if n == g]
-                self.groups[g] = DataLoader(Subset(self.loader.dataset, idx), batch_size=self.loader.batch_size,
-                                            shuffle=False, num_workers=0)
-
-    def __call__(self, weights) -> list:
-        """[(group, class, metric, value)]; value None where the metric is undefined."""
-        from ..methods.base import load_weights
-        from ..nets import first_of_twin
-        from ..site import evaluate
-
-        load_weights(self.net, first_of_twin(weights))  # FedMix's two UNets: F1 is scored, as it ships
-        out = []
-        for group, loader in self.groups.items():
-            result = evaluate(self.net, loader, self.task, self.classes)
-            for metric, per_class in TEST_METRICS[self.task]:
-                if per_class:
-                    for cls in self.classes:
-                        value = (result.get("per_class", {}).get(cls) or {}).get(metric)
-                        out.append((group, cls, metric, value))
-                out.append((group, MEAN, metric, result.get(metric)))
-        return out
 
 
 def _rows(cell: Cell, rnd: int, model: str, scored: list) -> list:
@@ -174,7 +129,7 @@ def run_federated_inprocess(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict
 def run_federated_flare(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict:
     """The same method as a FLARE job in the simulator; its last and best global models scored."""
     from ..config import KEY_METRICS
-    from ..bundle.workflows import load_state_dict
+    from ..run import Run
     from ..flare.simulator import simulate
     from ..flare.job import JobSpec, export
 
@@ -188,11 +143,11 @@ def run_federated_flare(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict:
     job_dir = export(spec, work / "jobs")
     log(f"FLARE simulator, {len(sc.sites)} sites x {plan.rounds} rounds; log: {work / 'simulator.log'}")
     run_dir = simulate(job_dir, work / "ws", len(sc.sites), data=data, log=work / "simulator.log")
-    models = {"last": "FL_global_model.pt", "best": "best_FL_global_model.pt"}
+    run = Run(run_dir)
     rows = []
-    for model, fname in models.items():
-        rows += _rows(cell, plan.rounds, model, scorer(load_state_dict(run_dir / "app_server" / fname)))
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    for model in ("last", "best"):
+        rows += _rows(cell, plan.rounds, model, scorer(run.model(model)))
+    records = run.rounds
     return {"rows": rows, "records": records, "key_metric": KEY_METRICS[sc.task], "run_dir": str(run_dir)}
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import progress
+from ..scoring import MEAN, POOLED, TEST_METRICS  # noqa: F401 (names of the plan's results)
 
 EMBEDDED = "embedded:"
 FLOOR = "local"          # floor rows are named local:<site>
@@ -17,13 +18,6 @@ ALL = "all"              # --opt all:key=value applies to every method and the f
 DEFAULT_LR = 1e-3        # the one client lr default of every row
 ENGINES = ("inprocess", "flare")
 CSV_COLUMNS = ("method", "seed", "round", "model", "split", "group", "class", "metric", "value")
-POOLED, MEAN = "pooled", "mean"
-# Test metrics per task: (metric, has a per-class value).
-TEST_METRICS = {
-    "multilabel": (("auroc", True), ("ap", True), ("bacc", True)),
-    "multiclass": (("accuracy", False), ("auroc", True), ("precision", True), ("recall", True)),
-    "segmentation": (("dice", True), ("dice_present", False), ("empty_correct", False)),
-}
 # The metric of the per-class plot.
 PRIMARY = {"multilabel": "auroc", "multiclass": "auroc", "segmentation": "dice"}
 

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 
 from . import bundle_path
+from ..run import Run
+from ..checkpoint import load_state_dict, torch_load  # noqa: F401 (part of this module's API)
 
 logger = logging.getLogger("fedlabels.bundle")
 
@@ -214,61 +216,6 @@ def evaluate_bundle(bundle, ckpt, data, out=None, split: str = "test", site=None
 # ------------------------------------------------------------------ export
 
 
-def torch_load(path) -> object:
-    """``torch.load(weights_only=True)`` that also accepts NumPy arrays (FLARE saves those).
-
-    Only NumPy's array/dtype reconstruction globals are allow-listed; any
-    other pickled object still fails.
-    """
-    import importlib
-
-    path = str(path)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as first:  # noqa: BLE001
-        try:
-            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-        except Exception:  # noqa: BLE001
-            raise ValueError(f"{path}: not a PyTorch checkpoint ({first})") from None
-        allowed = []
-        for name in names:
-            module, _, attr = name.rpartition(".")
-            if not (module == "numpy" or module.startswith("numpy.")):
-                raise ValueError(f"{path}: holds a pickled {name}; only tensors and NumPy arrays are accepted") from None
-            allowed.append(getattr(importlib.import_module(module), attr))
-        allowed += [np.ndarray, np.dtype] + [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def load_state_dict(ckpt) -> dict:
-    """A network state dict from a checkpoint file or object.
-
-    Accepts MONAI/ignite training checkpoints (``{"model": state_dict, ...}``),
-    plain state dicts (FLARE's global model), with tensors or NumPy arrays.
-    """
-    obj = ckpt
-    if isinstance(ckpt, (str, os.PathLike)):
-        path = Path(ckpt)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: checkpoint not found")
-        obj = torch_load(path)
-    if isinstance(obj, dict) and "model" in obj and isinstance(obj["model"], dict):
-        obj = obj["model"]
-    if isinstance(obj, torch.nn.Module):
-        obj = obj.state_dict()
-    if not isinstance(obj, dict) or not obj:
-        raise ValueError(f"{ckpt}: expected a state dict (name -> tensor), got {type(obj).__name__}")
-    state = {}
-    for k, v in obj.items():
-        if isinstance(v, np.ndarray):
-            v = torch.from_numpy(np.ascontiguousarray(v))
-        if not isinstance(v, torch.Tensor):
-            raise ValueError(f"{ckpt}: entry {k!r} is a {type(v).__name__}, not a tensor or array")
-        state[str(k)] = v.detach().cpu()
-    return state
-
-
 def _as_state_dict_file(ckpt) -> Path:
     """Checkpoints the bundle's CheckpointLoader can read: keep files, save objects."""
     if isinstance(ckpt, (str, os.PathLike)):
@@ -353,7 +300,7 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
     out = Path(out).resolve()
     if out == bundle:
         raise ValueError(f"{out}: export into a new folder, not over the source bundle")
-    trained = run_config(run) if run else None  # before any work: a --run that is no run is one line
+    trained = Run(run).config if run else None  # before any work: a --run that is no run is one line
     if trained is not None and site_state is None and _bn_policy(trained) == "fedbn":
         raise ValueError(f"{run}: a FedBN run's global model carries the initial batch norm, which no site "
                          "trained with; export a hospital's own model with its state file "
@@ -417,7 +364,7 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
                                  f"option {key}={value!r}")
             infer["network_def"][key] = value
         names = infer["class_names"]
-        provenance = {**(run_provenance(run, ckpt) if run else {}), **(provenance or {})}
+        provenance = {**(Run(run).provenance(ckpt) if run else {}), **(provenance or {})}
         _update_metadata(meta, names, infer["image_size"], infer["in_channels"], metrics, provenance, bundle, ckpt)
         infer_path.write_text(json.dumps(infer, indent=4) + "\n")
         meta_path.write_text(json.dumps(meta, indent=4) + "\n")
@@ -538,56 +485,6 @@ def _bn_policy(cfg) -> str:
     from .. import methods
 
     return methods.get(cfg.method).client_options(**cfg.client).get("bn_policy", "fedavg")
-
-
-def run_config(run):
-    """The run configuration (``fedlabels.config.RunConfig``) of a federated run's server folder."""
-    from ..config import FILE, RunConfig
-
-    # the controller writes it into the run folder (a production job carries it in its configuration
-    # only); runs written before that have the job's copy in app_server/custom
-    for cfg_path in (Path(run) / FILE, Path(run) / "app_server" / "custom" / FILE):
-        if cfg_path.is_file():
-            return RunConfig.load(cfg_path)
-    raise FileNotFoundError(f"{run}: not a fedlabels run's server folder (no {FILE})")
-
-
-def run_provenance(run, ckpt) -> dict:
-    """What a federated run's server folder says about the model: method, rounds, best or last."""
-    run = Path(run)
-    cfg = run_config(run)
-    progress = json.loads((run / "progress.json").read_text()) if (run / "progress.json").is_file() else {}
-    name = Path(str(ckpt)).name if isinstance(ckpt, (str, os.PathLike)) else ""
-    rounds = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] \
-        if (run / "metrics.jsonl").is_file() else []
-    sites = sorted({s for r in rounds for s in r.get("sites", {})}) or None
-    kind = {"best_FL_global_model.pt": "best global model (chosen on the sites' validation data)",
-            "FL_global_model.pt": "last global model"}.get(name, name or "in-memory state dict")
-    return {"method": cfg.method, "rounds": progress.get("next_round"), "checkpoint_kind": kind,
-            "model_after_rounds": _model_after_rounds(name, rounds, progress),
-            "best_validation_score": progress.get("best"),
-            **({"best_scored_by": progress["best_scored_by"]} if name == "best_FL_global_model.pt"
-               and progress.get("best_scored_by") else {}),
-            "sites": sites, "run": str(run.resolve())}
-
-
-def _model_after_rounds(name: str, rounds: list, progress: dict):
-    """How many rounds the shipped global model has been through (the "round" a DICOM result names):
-    the last model, all of them; the best, the round whose sites validated it at its start (they
-    validate the model they receive), else the final model (also when no model ever scored: the
-    controller then saves the final one as the best); None for another file."""
-    done = progress.get("next_round")
-    if name == "FL_global_model.pt" or (name == "best_FL_global_model.pt" and progress.get("best") is None):
-        return done
-    if name != "best_FL_global_model.pt":
-        return None
-    if progress.get("best_round") is not None:  # recorded by the controller (runs since it keeps it)
-        return progress["best_round"]
-    for record in rounds:
-        scores = [v for k, v in record.items() if k.startswith("mean_")]
-        if scores and scores[0] == progress["best"]:
-            return record["round"]
-    return done  # no round's received model scored the best: the final model did
 
 
 def check_torchscript(bundle, atol: float = 1e-4, rtol: float = 1e-4) -> float:

@@ -46,39 +46,16 @@ def write_jobs(out, names=None) -> list:
 def evaluate_global(run_dir, bundle, data, which="best") -> dict:
     """Test-split metrics of a run's global model (``best`` or ``last``), with the network
     options and input size the run trained with (its ``fedlabels.json``)."""
-    import torch
+    from ..run import Run
+    from ..scoring import Scorer
 
-    from ..bundle import network
-    from ..bundle.workflows import load_state_dict, run_config
-    from ..site import evaluate, test_loader
-
-    name = {"best": "best_FL_global_model.pt", "last": "FL_global_model.pt"}[which]
-    ckpt = Path(run_dir) / "app_server" / name
+    run = Run(run_dir)
     try:
-        cfg = run_config(run_dir)
+        cfg = run.config
     except FileNotFoundError:
         cfg = None
-    scenario = load_scenario(data, sites=[], with_test=False)
-    net = network(bundle, cfg.network if cfg else None, class_names=list(scenario.classes))
-    net.load_state_dict({k: torch.as_tensor(v) for k, v in load_state_dict(ckpt).items()})
-    loader = test_loader(bundle, data, config=cfg.bundle_config() if cfg else None)
-    return evaluate(net, loader, scenario.task, scenario.classes)
-
-
-def run_bundle(run_dir, bundle=None) -> Path:
-    """The bundle a run trained with: ``bundle`` when given, else the one its ``fedlabels.json`` names
-    (from the job's custom folder, where it travelled, else bundles/). Another bundle's network would
-    not load the run's weights, or would score a different network."""
-    from ..bundle import bundle_path
-    from ..bundle.workflows import run_config
-
-    if bundle:
-        return bundle_path(bundle)
-    try:
-        cfg = run_config(run_dir)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"{e}; name the bundle with --bundle") from None
-    return bundle_path(cfg.bundle, Path(run_dir) / "app_server" / "custom")
+    scorer = Scorer(bundle, data, cfg.network if cfg else None, cfg.bundle_config() if cfg else None, groups=False)
+    return scorer.evaluate(run.model(which))
 
 
 def label_counts(data) -> dict:
@@ -217,12 +194,14 @@ def cmd_simulate(args):
 
 
 def cmd_report(args):
+    from ..run import Run
+
     data = args.data or str(_default_data())
     results = {}
     for run in args.runs:
         name, _, path = run.partition("=")
         run_dir = Path(path or name)
-        results[name if path else run_dir.name] = evaluate_global(run_dir, run_bundle(run_dir, args.bundle), data,
+        results[name if path else run_dir.name] = evaluate_global(run_dir, Run(run_dir).bundle(args.bundle), data,
                                                                    args.which)
     task = load_scenario(data, check_files=False, with_test=False).task
     counts = label_counts(data)
@@ -319,6 +298,7 @@ def cmd_demo(args):
     """The main job: naive FedAvg, FedAvg-PL, Surgical Aggregation and FedPSL on the embedded cxr scenario."""
     from ..bundle import bundle_path
     from ..bundle.workflows import export_bundle
+    from ..run import Run
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -350,7 +330,7 @@ def cmd_demo(args):
     scores = {m: json.loads((runs[m] / "progress.json").read_text()).get("best") for m in runs}
     best = max((m for m in scores if scores[m] is not None), key=lambda m: scores[m])
     print(f"best on validation: {best} ({scores[best]:.3f}); exporting its best global model", flush=True)
-    bundle = export_bundle(bundle_path("cxr_resnet18"), runs[best] / "app_server" / "best_FL_global_model.pt",
+    bundle = export_bundle(bundle_path("cxr_resnet18"), Run(runs[best]).model_path("best"),
                            out / "bundle", data=data, run=runs[best])
     print(f"exported as a MONAI bundle (model card: {bundle / 'docs' / 'README.md'}): {bundle}")
     _infer(bundle, load_scenario(data).test[:4], out / "inference")
