@@ -54,14 +54,16 @@ def weights(run_dir, name="FL_global_model.pt"):
 
 
 def in_process(spec, data, rounds=TINY["rounds"], **setup_options):
-    """The in-process engine's run of ``spec`` on one torch thread (as each simulated site)."""
+    """The in-process engine's run of ``spec`` on one torch thread (as each simulated site), with the options
+    its run configuration carries (a preset's included)."""
+    cfg = spec.config()
     setups = references.setups(REPO / "bundles" / spec.bundle, data, batch_size=TINY["batch_size"], seed=spec.seed,
-                               config=spec.config().bundle_config() or None, **setup_options)  # the job's preset
+                               config=cfg.bundle_config() or None, **setup_options)  # the job's preset
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return references.federate(spec.method, setups, rounds, seed=spec.seed, client_options=spec.client,
-                                   server_options=spec.server or None, log=None)
+        return references.federate(spec.method, setups, rounds, seed=spec.seed, client_options=cfg.client,
+                                   server_options=cfg.server or None, log=None)
     finally:
         torch.set_num_threads(threads)
 
