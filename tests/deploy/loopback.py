@@ -90,3 +90,11 @@ def connected(fed) -> set:
         return {c.name for c in session.get_system_info().client_info}
     finally:
         session.close()
+
+
+def wait_for_text(path: Path, text: str, deadline: float, poll: float = 0.5) -> None:
+    """Until ``path`` holds ``text`` or the clock passes ``deadline`` (the caller asserts what it needs)."""
+    while time.time() < deadline:
+        if path.is_file() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(poll)

@@ -43,7 +43,7 @@ from fedlabels.data.synthetic import generate
 from fedlabels.flare.local_federation import Participant, free_ports, kit_processes, this_python_first, wait_for_sites
 from fedlabels.flare.provision import PINNED, installed
 from loopback import (ADMIN, FEDLABELS, HANG, JOB, SITES, _result, connected, nvflare, site_env, site_log,
-                      submit)
+                      submit, wait_for_text)
 
 pytestmark = pytest.mark.deploy
 
@@ -176,11 +176,14 @@ def test_a_hospitals_gate_refuses_each_configuration_attack_before_round_0(fed):
         "drill": ({"faults": ["site-1:hang:0"]}, {}, {}, "faults[0]"),
         "log": ({}, {}, {"components": [streamer]}, "components[0]"),
     }
+    # one production job folder, copied for each attack (each job.py process imports the training stack)
+    clean = Path(subprocess.run([sys.executable, str(JOB), "--out", str(fed["tmp"] / "gate" / "clean"), "-n", "2",
+                                 "--min-sites", "2", "--rounds", "1", "--config-only"],
+                                capture_output=True, text=True, check=True).stdout.strip())
     submitted = {}
     for name, (change, args, extra, field) in attacks.items():
-        folder = Path(subprocess.run([sys.executable, str(JOB), "--out", str(fed["tmp"] / "gate" / name), "-n", "2",
-                                      "--min-sites", "2", "--rounds", "1", "--config-only"],
-                                     capture_output=True, text=True, check=True).stdout.strip())
+        folder = fed["tmp"] / "gate" / name / clean.name
+        shutil.copytree(clean, folder)
         path = folder / "app" / "config" / "config_fed_client.json"
         doc = json.loads(path.read_text())
         executor = doc["executors"][0]["executor"]
@@ -199,7 +202,9 @@ def test_a_hospitals_gate_refuses_each_configuration_attack_before_round_0(fed):
                 status = nvflare("job", "meta", job_id, *kit)
                 if re.search(rf"{site}\W+NVFLARE_ERROR", status):
                     break
-                time.sleep(2)
+                # the site's own log says it first; until then a file read, not an admin process, waits
+                wait_for_text(fed["kits"][site] / "log.txt", f"field {field!r}", deadline)
+                time.sleep(1)  # the job record follows the site's log
             assert f"fedlabels gate at {site}: refused by the site's gate: field {field!r}" in status, (name, status)
             assert not list(fed["kits"][site].glob(f"{job_id}/log.txt")), name  # nothing of it ran there
             assert f"field {field!r}" in (fed["kits"][site] / "log.txt").read_text(errors="replace"), name
