@@ -157,7 +157,9 @@ def render_facts(page: str) -> str:
     for name in presets:
         p = load(name)
         data = json.loads(p.path.read_text())
-        out += ["", f"**Preset `{name}`** (`{p.path.relative_to(REPO).as_posix()}`; `--protocol {name}`): "
+        # named by the bundle, not by where it is installed (a checkout's bundles/ or the package data)
+        out += ["", f"**Preset `{name}`** (`bundles/{p.bundle.name}/configs/protocols/{p.path.name}`; "
+                f"`--protocol {name}`): "
                 f"{p.rounds} rounds x {p.local_epochs} local epoch(s). Each value and its source:", "",
                 "| setting | value | source |", "|---|---|---|"]
         for key, source in p.sources.items():
