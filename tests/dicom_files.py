@@ -21,12 +21,7 @@ def write_image(path, pixels, study, series, *, instance=1, sop=None, photometri
     rgb = pixels.ndim == 3
     sop = sop or generate_uid()
     sop_class = sop_class or (VLPhotographicImageStorage if rgb else CTImageStorage)
-    meta = FileMetaDataset()
-    meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID = sop_class, sop
-    meta.TransferSyntaxUID = ExplicitVRLittleEndian
-    ds = Dataset()
-    ds.file_meta = meta
-    ds.SOPClassUID, ds.SOPInstanceUID, ds.StudyInstanceUID, ds.SeriesInstanceUID = sop_class, sop, study, series
+    ds = dataset(sop_class, sop, study, series)
     ds.PatientID, ds.PatientName, ds.StudyID, ds.StudyDate = "P-24", "Test^Patient", "1", "20240101"
     ds.Modality = {CTImageStorage: "CT", ComputedRadiographyImageStorage: "CR"}.get(sop_class, "XC")
     ds.SeriesNumber, ds.InstanceNumber = 1, instance
@@ -72,3 +67,13 @@ def _dicom_outputs(out) -> list:
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "clinical-bundle.md"
 
+
+def dataset(sop_class, sop, study, series) -> Dataset:
+    """An empty DICOM dataset with its file meta and the four identifying UIDs."""
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID = sop_class, sop
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds = Dataset()
+    ds.file_meta = meta
+    ds.SOPClassUID, ds.SOPInstanceUID, ds.StudyInstanceUID, ds.SeriesInstanceUID = sop_class, sop, study, series
+    return ds

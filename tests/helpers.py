@@ -102,3 +102,18 @@ def score_directly(net, weights, bundle, data, config=None) -> dict:
     sc = load_scenario(data, sites=[], with_test=False)
     load_weights(net, weights)
     return evaluate(net, test_loader(bundle, data, config=config), sc.task, sc.classes)
+
+
+def image(path):
+    """Open, decode and close an image (no file handle left open)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        im.load()
+        return im
+
+
+def pixels(path):
+    import numpy as np
+
+    return np.asarray(image(path))

@@ -231,7 +231,8 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
 
     # the one DICOM decoder, installed: DICOM studies imported with fedlabels import reach the exported bundle's
     # network exactly as training saw them (tests/unit/test_dicom_pixels.py's check, run by this environment's python)
-    check = ("import sys, pathlib; sys.path.insert(0, sys.argv[1]); import fedlabels, test_dicom_pixels as t; "
+    check = ("import sys, pathlib; sys.path[:0] = [sys.argv[1], str(pathlib.Path(sys.argv[1]).parent)]; "
+             "import fedlabels, test_dicom_pixels as t; "
              "assert fedlabels.__file__.startswith(sys.argv[2]), fedlabels.__file__; "
              "print('compared', t.roundtrip(pathlib.Path('dicom-check'), 'auto'))")
     out = _run([python, "-c", check, REPO / "tests" / "unit", env_dir], cwd=work, env=env)

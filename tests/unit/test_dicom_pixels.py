@@ -24,11 +24,12 @@ import pytest
 import torch
 from monai.bundle import ConfigParser
 from monai.transforms import Compose
-from pydicom.dataset import Dataset, FileMetaDataset
+from pydicom.dataset import Dataset
 from pydicom.sequence import Sequence
-from pydicom.uid import ComputedRadiographyImageStorage, CTImageStorage, ExplicitVRLittleEndian, generate_uid
+from pydicom.uid import ComputedRadiographyImageStorage, CTImageStorage, generate_uid
 
 from fedlabels import cli
+from dicom_files import dataset
 from fedlabels.data.dicom import DicomError, parse_window, read_dicom_image
 
 BUNDLE = "cxr_resnet18"
@@ -41,12 +42,7 @@ def write_study_image(path: Path, stored: np.ndarray, study: str, series: str, p
     """A DICOM image as a modality writes it; ``kind`` picks the pixel module and VOI."""
     sop_class = CTImageStorage if kind == "ct" else ComputedRadiographyImageStorage
     sop = generate_uid()
-    meta = FileMetaDataset()
-    meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID = sop_class, sop
-    meta.TransferSyntaxUID = ExplicitVRLittleEndian
-    ds = Dataset()
-    ds.file_meta = meta
-    ds.SOPClassUID, ds.SOPInstanceUID, ds.StudyInstanceUID, ds.SeriesInstanceUID = sop_class, sop, study, series
+    ds = dataset(sop_class, sop, study, series)
     ds.PatientID, ds.PatientName, ds.Modality = patient, f"Test^{patient}", "CT" if kind == "ct" else "CR"
     ds.InstanceNumber = instance
     ds.Rows, ds.Columns = stored.shape

@@ -27,6 +27,7 @@ from fedlabels.data.common import PrepareError, write_mhd
 from fedlabels.data.dicom import read_dicom_header, read_dicom_image, write_dicom
 from fedlabels.data.partition import FEDPSL_CLASSES_6, FEDPSL_SITE_CLASSES_6
 from fedlabels.profile import ScenarioError, format_summary, load_scenario
+from helpers import image, pixels
 from helpers import digest
 
 NIH_NAMES = {c: n for c, n in zip(NIH_CLASSES, ["Atelectasis", "Cardiomegaly", "Effusion", "Infiltration", "Mass",
@@ -35,17 +36,6 @@ NIH_NAMES = {c: n for c, n in zip(NIH_CLASSES, ["Atelectasis", "Cardiomegaly", "
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def image(path):
-    """Open, decode and close an image (no file handle left open)."""
-    with Image.open(path) as im:
-        im.load()
-        return im
-
-
-def pixels(path):
-    return np.asarray(image(path))
 
 
 def run(*argv):

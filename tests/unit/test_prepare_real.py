@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from PIL import Image
 
 from fedlabels.data import medmnist, partition, prepare
 from fedlabels.profile import load_scenario
+from helpers import image, pixels
 
 DATA = Path(os.environ.get("FEDLABELS_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
 
@@ -36,17 +36,6 @@ def need(*parts):
                         f"FEDLABELS_SHARED_DATA)", pytrace=False)
         pytest.skip(f"real data not available: {path}")
     return path
-
-
-def image(path):
-    """Open, decode and close an image (no file handle left open)."""
-    with Image.open(path) as im:
-        im.load()
-        return im
-
-
-def pixels(path):
-    return np.asarray(image(path))
 
 
 def run(*argv):
