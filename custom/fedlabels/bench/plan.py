@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .. import progress
@@ -248,6 +248,16 @@ def make_plan(args) -> Plan:
                 protocol=protocol, reuse=reuse)
 
 
+def full_summary(site) -> dict:
+    """The label summary a site would send with its oracle labels (an ``oracle:`` row): every class annotated."""
+    from ..profile import label_summary
+
+    profile = site.profile
+    full = replace(profile, annotated=profile.classes,
+                   supervision="pixel" if profile.task == "segmentation" else "image")
+    return label_summary(full, site.oracle()["training"])
+
+
 def prepare_data(plan: Plan) -> None:
     """Generate the embedded scenarios (one per seed) and validate every seed's scenario before any training."""
     from .. import methods
@@ -295,10 +305,14 @@ def prepare_data(plan: Plan) -> None:
     task = read(plan.bundle, plan.datasets[plan.seeds[0]]).get_parsed_content("task")
     if task != first.task:
         raise ValueError(f"bundle {plan.bundle.name}: task {task!r} does not match the scenario's task {first.task!r}")
-    for name in plan.methods:
+    for name in plan.methods:  # each row's method must serve every site of every seed (oracle rows: full labels)
         m = methods.get(base_method(name))
-        if first.task not in m.tasks:
-            raise ValueError(f"method {name!r} handles {list(m.tasks)}, not the scenario's task {first.task!r}")
+        for seed, sc in plan.scenarios.items():
+            summaries = {s: (full_summary(site) if name.startswith(ORACLE) else site.summary())
+                         for s, site in sc.sites.items()}
+            why = m.refusal(summaries)
+            if why:
+                raise ValueError(f"--methods {name}: {plan.datasets[seed]}: {why}")
     if plan.engine == "flare":
         for seed, sc in plan.scenarios.items():
             expected = [f"site-{i + 1}" for i in range(len(sc.sites))]

@@ -304,6 +304,10 @@ class FedLabelsController(BaseFedAvg):
         write_json_atomic(self._path(SUMMARIES_FILE), summaries)
         task = next(iter(summaries.values()))["task"]
         key = cfg.metric(task)
+        why = methods.get(cfg.method).refusal(summaries)  # a site the method cannot serve: named before round 0
+        if why:
+            self.panic(f"method {cfg.method}: {why}")
+            return
         try:
             notes = server.setup(summaries) or []
         except ValueError as e:  # the method cannot run on these sites (e.g. no labeled site)

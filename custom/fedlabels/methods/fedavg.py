@@ -66,10 +66,10 @@ class FedAvgServer(ServerRule):
 
 
 def _register():
-    from . import Method, register
+    from . import AS_NEGATIVES, Method, register
 
     common = ("multilabel", "multiclass", "segmentation")
-    register(Method("fedavg", FedAvgClient, FedAvgServer, common, {"partial_loss": False},
+    register(Method("fedavg", FedAvgClient, FedAvgServer, common, {"partial_loss": False}, partial_site=AS_NEGATIVES,
                     doc="naive FedAvg: missing labels as negatives (segmentation: pixel-labeled cases)"))
     register(Method("fedavg_pl", FedAvgClient, FedAvgServer, ("multilabel", "multiclass"), {"partial_loss": True},
                     doc="FedAvg with the partial BCE loss"))

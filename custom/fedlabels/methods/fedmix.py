@@ -273,15 +273,17 @@ class FedSTServer(FedAvgServer):
 
 
 def _register():
-    from . import Method, register
+    from . import WEAK_LABELS, WITHOUT_LABELS, Method, register
 
     seg = ("segmentation",)
-    register(Method("fedmix", FedMixClient, FedMixServer, seg, uses_unlabeled=True,
+    register(Method("fedmix", FedMixClient, FedMixServer, seg, uses_unlabeled=True, weak_site=WEAK_LABELS,
+                    unlabeled_site=WITHOUT_LABELS,
                     network={"_target_": "fedlabels.nets.TwinUNet"},
                     doc="FedMix: two UNets, refined cross pseudo labels, dynamic selection, adaptive aggregation"))
     register(Method("fedadaptagg", FedAvgClient, AdaptiveAggServer, seg, {"partial_loss": False},
                     doc="FedMix's adaptive aggregation with plain supervised training (pixel-labeled cases)"))
-    register(Method("fedst", FedSTClient, FedSTServer, seg, uses_unlabeled=True,
+    register(Method("fedst", FedSTClient, FedSTServer, seg, uses_unlabeled=True, weak_site=WITHOUT_LABELS,
+                    unlabeled_site=WITHOUT_LABELS,
                     doc="FedST: self-training on confident pseudo labels after a pixel-only warm-up"))
 
 

@@ -470,17 +470,17 @@ class FedMLPServer(FedAvgServer):
 
 
 def _register():
-    from . import Method, register
+    from . import FROM_MODEL, Method, register
 
     ml = ("multilabel",)
     # Logit adjustment replaces the shared per-class positive weighting (both correct the imbalance).
     register(Method("fedmlp", FedMLPClient, FedMLPServer, ml, {"pos_weighted": False}, strong_view=True,
-                    doc="FedMLP: prototype-based missing-label tagging, WPC loss, consistency (the paper)"))
+                    partial_site=FROM_MODEL, doc="FedMLP: prototype-based missing-label tagging, WPC loss, consistency (the paper)"))
     register(Method("fedmlp_code", FedMLPClient, FedMLPServer, ml,
                     {"pos_weighted": False, "logit_adjustment": False, "warmup_consistency": True,
                      "stage2_consistency": False},
                     {"adaptive_threshold": False, "prototype_weighting": "size"}, strong_view=True,
-                    doc="FedMLP as the released code runs it (no LA, no adaptive threshold, CR in stage 1 only)"))
+                    partial_site=FROM_MODEL, doc="FedMLP as the released code runs it (no LA, no adaptive threshold, CR in stage 1 only)"))
 
 
 _register()

@@ -193,14 +193,15 @@ class PartialRSCFedServer(RSCFedServer):
 
 
 def _register():
-    from . import Method, register
+    from . import FROM_MODEL, Method, register
 
     ml = ("multilabel",)
-    register(Method("fedfixmatch", FixMatchClient, FedAvgServer, ml, strong_view=True,
+    register(Method("fedfixmatch", FixMatchClient, FedAvgServer, ml, strong_view=True, partial_site=FROM_MODEL,
                     doc="FedFixMatch: confident weak-view pseudo labels on the missing classes, strong-view BCE"))
-    register(Method("fednoro", NoRoClient, FedAvgServer, ml,
+    register(Method("fednoro", NoRoClient, FedAvgServer, ml, partial_site=FROM_MODEL,
                     doc="FedNoRo stage 2: partial BCE + ramped distillation to the global model on missing classes"))
     register(Method("rscfed_pl", PartialMeanTeacherClient, PartialRSCFedServer, ml, strong_view=True,
+                    partial_site=FROM_MODEL,
                     doc="RSCFed on partial labels: random distance-weighted subsets; mean teacher on missing classes"))
 
 

@@ -304,18 +304,20 @@ class RSCFedServer(WeightedFedAvgServer):
 
 
 def _register():
-    from . import Method, register
+    from . import WITHOUT_LABELS, Method, register
 
     mc = ("multiclass",)
-    register(Method("isofed", SemiSupClient, IsoFedServer, mc, {"pretrain": True}, uses_unlabeled=True,
+    # a site annotating some classes of a multi-class task has cases with no label it could take
+    semi = {"partial_site": None, "unlabeled_site": WITHOUT_LABELS, "needs_full_site": True}
+    register(Method("isofed", SemiSupClient, IsoFedServer, mc, {"pretrain": True}, uses_unlabeled=True, **semi,
                     strong_view=True, doc="IsoFed: isolated aggregation, mean teacher after client-adaptive pretraining"))
-    register(Method("isofed_nopt", SemiSupClient, IsoFedServer, mc, {"pretrain": False}, uses_unlabeled=True,
+    register(Method("isofed_nopt", SemiSupClient, IsoFedServer, mc, {"pretrain": False}, uses_unlabeled=True, **semi,
                     strong_view=True, doc="IsoFed without client-adaptive pretraining (the paper's w/o PT)"))
-    register(Method("mt_wfedavg", SemiSupClient, WeightedFedAvgServer, mc, {"pretrain": False}, uses_unlabeled=True,
+    register(Method("mt_wfedavg", SemiSupClient, WeightedFedAvgServer, mc, {"pretrain": False}, uses_unlabeled=True, **semi,
                     strong_view=True, doc="every site at once (labeled: cross-entropy, unlabeled: mean teacher), wFedAvg"))
-    register(Method("rscfed", SemiSupClient, RSCFedServer, mc, {"pretrain": False}, uses_unlabeled=True,
+    register(Method("rscfed", SemiSupClient, RSCFedServer, mc, {"pretrain": False}, uses_unlabeled=True, **semi,
                     strong_view=True, doc="RSCFed: random subsets, distance-weighted, mean of the subset models"))
-    register(Method("wfedavg", SupervisedClient, WeightedFedAvgServer, mc,
+    register(Method("wfedavg", SupervisedClient, WeightedFedAvgServer, mc, partial_site=None, needs_full_site=True,
                     doc="dynamically weighted FedAvg of the labeled sites (upper bound: oracle:wfedavg)"))
 
 
