@@ -1,7 +1,7 @@
 """The ``fedlabels`` command.
 
 ```text
-fedlabels synth {cxr,medmnist,lesion} --out DIR [--seed N]
+fedlabels synth {cxr,medmnist,lesion,mixed} --out DIR [--seed N]
 fedlabels validate DIR                         check a scenario, print its table
 fedlabels prepare DATASET --src DIR --protocol NAME --out DIR
 fedlabels import LABELS.csv [SITE=MORE.csv ...] --out DIR   your own images and labels
@@ -101,6 +101,11 @@ def cmd_synth(args):
         raise ValueError(f"--sites must be >= 1, not {args.sites}")
     if args.family == "medmnist":
         kwargs.update(gamma=args.gamma, labeled=[int(i) - 1 for i in args.labeled.split(",")] if args.labeled else None)
+    elif args.family == "mixed":
+        if args.labeled:
+            raise ValueError("--labeled applies to the medmnist family; the mixed family's roles are fixed (site-1 "
+                             "annotates every class, the last site none, the others a share each)")
+        kwargs["gamma"] = args.gamma
     if args.missing is not None:
         if args.family != "cxr":
             raise ValueError(f"--missing applies to the cxr family, not {args.family}")
@@ -200,18 +205,24 @@ def build_parser(flare: bool | str = True) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("synth", help="generate an embedded synthetic scenario")
-    s.add_argument("family", choices=["cxr", "medmnist", "lesion"])
+    s.add_argument("family", choices=["cxr", "medmnist", "lesion", "mixed"],
+                   help="cxr: multi-label chest-X-ray-like, FedPSL Table I's label sets; medmnist: multi-class, "
+                        "labeled and unlabeled sites; lesion: segmentation, pixel/box/image/no supervision per site; "
+                        "mixed: medmnist's images as one-vs-rest multi-label, site-1 annotating every class, the "
+                        "last site none, the sites between a share of the classes each")
     s.add_argument("--out", required=True)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--size", type=positive_int, help="image size in pixels")
     s.add_argument("--cases", type=positive_int,
                    help=f"cxr: the cases of a reference site; site k holds round(s_k x N) with s = {CXR_SCALES} "
                         "(cycled), so 4 sites hold 4 N (sites of different sizes, as hospitals are); lesion: cases "
-                        "per site; medmnist: cases in total")
+                        "per site; medmnist, mixed: cases in total")
     s.add_argument("--test-cases", type=positive_int)
     s.add_argument("--sites", type=int, default=4,
-                   help="number of sites (cxr: site k labels like FedPSL Table I's site k mod 4; default 4)")
-    s.add_argument("--gamma", type=float, default=0.8, help="medmnist: Dirichlet label skew")
+                   help="number of sites (cxr: site k labels like FedPSL Table I's site k mod 4; mixed: 3 to 10, "
+                        "site-1 annotates all 8 classes, the last site none, the sites between deal the classes out "
+                        "in contiguous blocks; default 4)")
+    s.add_argument("--gamma", type=float, default=0.8, help="medmnist, mixed: Dirichlet label skew")
     s.add_argument("--labeled", help="medmnist: comma-separated site numbers that keep labels (default 1)")
     s.add_argument("--missing", type=int, help="cxr: each site drops this many of the 6 findings and annotates the "
                    "others on every case, every finding at some site (FedMLP's setting; default: FedPSL Table I's sets)")

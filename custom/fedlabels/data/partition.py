@@ -9,6 +9,7 @@ splits are unit-testable and identical for the same seed.
 * ``rscfed_split``                          labeled blocks + capped Dirichlet over the unlabeled sites (RSCFed code)
 * ``missing_class_sets``                    each site drops k classes, all covered (FedMLP)
 * ``shared_class_sets``                     S shared classes + the rest dealt out (Surgical)
+* ``mixed_class_sets``                      one site all classes, one none, the others a partition (mixed)
 * ``balanced_test``                         n positives + n negatives per class (FedPSL)
 * ``parse_supervision``                     FedMix letters L/B/I/U
 """
@@ -228,6 +229,27 @@ def shared_class_sets(num_classes: int, num_sites: int, shared: int, rng) -> lis
     return [sorted(s) for s in sets]
 
 
+def mixed_class_sets(num_classes: int, num_sites: int, rng=None) -> list:
+    """The classes each site of a "mixed" federation annotates, as index lists, one per site:
+    site 1 every class, the last site none, and the ``num_sites - 2`` sites between them a
+    partition of the classes (each class annotated by site 1 and exactly one of them) in
+    contiguous near-equal blocks (``numpy.array_split``) of the classes in order, or, with ``rng``,
+    of ``rng.permutation(num_classes)`` (the one draw made). 8 classes, 4 sites:
+    [0..7], [0, 1, 2, 3], [4, 5, 6, 7], []. Needs 3 to ``num_classes + 2`` sites."""
+    if not 3 <= num_sites <= num_classes + 2:
+        raise PrepareError(f"a mixed federation needs 3 to {num_classes + 2} sites (site 1 annotates every class, "
+                           f"the last site none, each site between them its own share of the {num_classes} "
+                           f"classes), not {num_sites}")
+    order = np.arange(num_classes) if rng is None else np.asarray(rng.permutation(num_classes))
+    middle = [sorted(int(c) for c in block) for block in np.array_split(order, num_sites - 2)]
+    return [list(range(num_classes))] + middle + [[]]
+
+
+def mixed_roles(sets, num_classes: int) -> list:
+    """Each site's role from the class indices it annotates: "full" (every class), "none" or "partial"."""
+    return ["none" if not s else "full" if len(set(s)) == num_classes else "partial" for s in sets]
+
+
 def balanced_test(labels, per_class: int, rng) -> tuple:
     """Indices of a test set with ``per_class`` positives and negatives per class.
 
@@ -274,14 +296,28 @@ def parse_supervision(text, num_sites: int) -> list:
     return out
 
 
-def parse_site_classes(text, classes: list) -> list:
-    """'a,b;c;d,e' (names or 0-based indices) -> list of index lists, one per site."""
+def parse_site_classes(text, classes: list, allow_none: bool = False) -> list:
+    """'a,b;c;d,e' (names or 0-based indices) -> list of index lists, one per site.
+
+    A site's part may be ``*`` alone: every class; with ``allow_none`` (a protocol that writes
+    unlabeled sites), ``-`` alone: no class (an empty list)."""
     out = []
     for k, part in enumerate(str(text).split(";")):
+        toks = [t.strip() for t in part.split(",") if t.strip()]
+        if any(t in ("*", "-") for t in toks) and len(toks) > 1:
+            raise PrepareError(f"--site-classes: site {k + 1}: '*' (every class) and '-' (none) stand alone, "
+                               f"not among class names ({part.strip()!r})")
+        if toks == ["*"]:
+            out.append(list(range(len(classes))))
+            continue
+        if toks == ["-"]:
+            if not allow_none:
+                raise PrepareError(f"--site-classes: site {k + 1}: '-' (no class) is for protocols with unlabeled "
+                                   f"sites (mixed); here every site annotates at least one class")
+            out.append([])
+            continue
         idx = []
-        for tok in (t.strip() for t in part.split(",")):
-            if not tok:
-                continue
+        for tok in toks:
             if tok.isdigit() and int(tok) < len(classes):
                 idx.append(int(tok))
             elif tok in classes:
@@ -289,6 +325,7 @@ def parse_site_classes(text, classes: list) -> list:
             else:
                 raise PrepareError(f"--site-classes: site {k + 1}: unknown class {tok!r}; classes are {classes}")
         if not idx:
-            raise PrepareError(f"--site-classes: site {k + 1} annotates no class")
+            raise PrepareError(f"--site-classes: site {k + 1} annotates no class"
+                               + (" (write '-' for a site that annotates none)" if allow_none else ""))
         out.append(sorted(set(idx)))
     return out

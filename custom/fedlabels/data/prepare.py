@@ -14,12 +14,13 @@ Datasets (expected layouts and download pages: docs/datasets.md):
   retouch        RETOUCH OCT (Cirrus, Topcon, Spectralis)
 
 Protocols: fedpsl-6, fedpsl-8, fedmlp, surgical-sim, surgical-real, isofed,
-partial, fedmix (see fedlabels.data.protocols).
+partial, mixed, fedmix (see fedlabels.data.protocols).
 
 Examples:
   fedlabels prepare bloodmnist --src data/medmnist --protocol isofed --gamma 0.5 --labeled 1 --out scen/blood
   fedlabels prepare bloodmnist --src data/medmnist --protocol isofed --partition rscfed --labeled 1 --out scen/blood-r
   fedlabels prepare nih --src NIH --src tb=TB --src covid=COVID --protocol fedpsl-8 --out scen/fedpsl8
+  fedlabels prepare bloodmnist --src data/medmnist --protocol mixed --seed 1 --out scen/blood-mixed
   fedlabels prepare ph2 --src data/ph2 --protocol fedmix --sites 3 --supervision L,B,I --out scen/ph2
 """
 
@@ -79,7 +80,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quiet", action="store_true")
     g = p.add_argument_group("protocol options")
     g.add_argument("--missing", type=int, help="fedmlp/partial: classes removed per site")
-    g.add_argument("--gamma", type=float, help="isofed/partial: Dirichlet label-skew concentration (isofed default 0.8)")
+    g.add_argument("--gamma", type=float, help="isofed/partial/mixed: Dirichlet label-skew concentration (isofed "
+                   "default 0.8; partial, mixed: IID equal shares without it)")
     g.add_argument("--labeled", help="isofed: how many sites keep labels (first N), or site numbers '1,3' (default 1)")
     g.add_argument("--partition", choices=["dirichlet", "rscfed"], default="dirichlet",
                    help="isofed: 'dirichlet' (default): one Dirichlet(gamma) label split over all sites; 'rscfed': "
@@ -89,7 +91,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="isofed --partition rscfed: each labeled site's share of the cases (default 0.1, RSCFed's)")
     g.add_argument("--supervision", help="fedmix: per-site level letters, e.g. U,B,L  (L=pixel, B=bbox, I=image-level, U=unlabeled)")
     g.add_argument("--shared", type=int, help="surgical-sim: classes every site annotates (default 0)")
-    g.add_argument("--site-classes", help="partial: classes per site, ';' between sites, e.g. 'a,b;c;d,e' (names or indices)")
+    g.add_argument("--site-classes", help="partial/mixed: classes per site, ';' between sites, e.g. 'a,b;c;d,e' "
+                   "(names or indices; '*' every class; mixed: '-' none, e.g. '*;0,1,2,3;4,5,6,7;-')")
     g.add_argument("--folds", type=int, default=5, help="fedmix: cross-validation folds per site (0 = no test split)")
     g.add_argument("--fold", type=int, default=0, help="fedmix: which fold is the test split")
     g.add_argument("--test-split", choices=["paper", "official"], default="paper",

@@ -20,6 +20,12 @@ isofed             IsoFed: a multi-class set, Dirichlet(``--gamma``) label skew,
                    sites with a cap, ``partition.rscfed_split``)
 partial            any multi-class set as one-vs-rest multi-label, each site
                    annotating a chosen or random subset of the classes
+mixed              one-vs-rest multi-label as ``partial``, sites labeling
+                   differently at once: site 1 every class, the last site
+                   none (``supervision: none``), the ``--sites`` (4) - 2 sites
+                   between them a random partition of the classes drawn from
+                   the seed (each class at site 1 and exactly one of them;
+                   ``--site-classes`` fixes the sets, ``*`` = all, ``-`` = none)
 fedmix             FedMix: segmentation sites, each with a supervision level
                    (``--supervision`` L/B/I/U), test = one CV fold per site
 =================  ==========================================================
@@ -242,6 +248,86 @@ def partial(sources, o: Options, rng, say=print) -> SplitPlan:
                 protocol={"name": "partial", "sites": k, "site_classes": [[classes[j] for j in s] for s in sets],
                           "split": split_how, "test": how, "val_fraction": o.val_fraction, "limit": o.limit},
                 sources=[src], notes=["multi-class labels viewed as one-vs-rest multi-label targets"])
+
+
+# ------------------------------------------------------------------ mixed
+
+
+def mixed(sources, o: Options, rng, say=print) -> SplitPlan:
+    """Sites that label differently in one federation: site 1 annotates every class, the last site
+    none (``supervision: none``, every label entry -1, true labels only in ``oracle.json``), and the
+    sites between them a partition of the classes, ``partition.mixed_class_sets`` with the seed's
+    generator (its first draw: one permutation of the classes, cut into near-equal contiguous
+    blocks), so each class is annotated by site 1 and exactly one partial site. ``--site-classes``
+    fixes the sets instead (``*`` every class, ``-`` none; the roles follow from the sets). The
+    cases are split as ``partial`` splits them: IID equal patient-level shares, or
+    Dirichlet(``--gamma``) label skew."""
+    src = sources["main"]
+    classes = _classes_for(src, o)
+    c = len(classes)
+    if o.missing is not None:
+        raise PrepareError("--missing applies to fedmlp and partial; mixed deals the classes out itself "
+                           "(or give --site-classes)")
+    if o.site_classes:
+        sets = P.parse_site_classes(o.site_classes, classes, allow_none=True)
+        if o.sites is not None and len(sets) != o.sites:
+            raise PrepareError(f"--site-classes lists {len(sets)} sites but --sites is {o.sites}")
+        if not any(sets):
+            raise PrepareError("--site-classes: no site annotates any class")
+        uncovered = [classes[j] for j in range(c) if not any(j in s for s in sets)]
+        if uncovered:
+            warn(f"--site-classes: no site annotates {uncovered}")
+        how_sets = "given (--site-classes)"
+    else:
+        k = 4 if o.sites is None else o.sites
+        if k < 3:
+            raise PrepareError(f"--sites {k}: mixed needs at least 3 sites (site 1 annotating every class, one or "
+                               f"more sites a share of the classes, the last site none)")
+        if k > c + 2:
+            raise PrepareError(f"--sites {k}: mixed gives each of the {k - 2} sites between the first and the last "
+                               f"its own share of the {c} classes, so at most {c + 2} sites")
+        sets = P.mixed_class_sets(c, k, rng)
+        how_sets = "random partition of the classes over the partial sites, drawn from the seed"
+    k = len(sets)
+    roles = P.mixed_roles(sets, c)
+    pool, test, how = _pool_and_test(src, o, rng)
+    cases = src.cases
+    if o.gamma is not None:
+        by_patient = P.group_index([cases[i].patient for i in pool])
+        patients = list(by_patient)
+        parts = P.dirichlet_split([cases[pool[by_patient[p][0]]].labels for p in patients], k, o.gamma, rng)
+        site_idx = [sorted(pool[j] for p in part for j in by_patient[patients[p]]) for part in parts]
+        split_how = f"Dirichlet(gamma={o.gamma})"
+    else:
+        parts = P.split_groups_equal([cases[i].patient for i in pool], k, rng)
+        site_idx = [[pool[j] for j in part] for part in parts]
+        split_how = "IID, equal patient-level shares"
+
+    def onehot(y):
+        v = [0] * c
+        v[int(y)] = 1
+        return v
+
+    sites = []
+    for s, name in enumerate(site_names(k)):
+        annotated = [classes[j] for j in sets[s]]
+
+        def make(cs, annotated=annotated):
+            full = onehot(cs.labels)
+            return Entry(cs, _masked(full, classes, annotated), full)
+
+        tr, va = _split_site(cases, site_idx[s], rng, o.val_fraction, make)
+        what = {"full": "annotates every class", "none": "annotates no class (unlabeled)"}.get(
+            roles[s], f"annotates {annotated}")
+        sites.append(SitePlan(name, annotated, "none" if roles[s] == "none" else "image", tr, va,
+                              f"{src.name} {split_how}; {roles[s]}: {what}"))
+    test_entries = [Entry(cases[i], onehot(cases[i].labels), onehot(cases[i].labels)) for i in test]
+    return SplitPlan(o.name or f"{src.name}-mixed", "multilabel", classes, src.channels, None, sites, test_entries,
+                protocol={"name": "mixed", "sites": k, "site_classes": [[classes[j] for j in s] for s in sets],
+                          "site_roles": roles, "class_sets": how_sets, "gamma": o.gamma, "split": split_how,
+                          "test": how, "val_fraction": o.val_fraction, "limit": o.limit},
+                sources=[src], notes=["multi-class labels viewed as one-vs-rest multi-label targets",
+                                      f"site roles: {', '.join(f'{n} {r}' for n, r in zip(site_names(k), roles))}"])
 
 
 # ------------------------------------------------------------------ fedmix
@@ -582,5 +668,6 @@ PROTOCOLS = {
     "surgical-real": (surgical_real, {"nih"}),
     "isofed": (isofed, {"medmnist", "ph2", "ham10000"}),
     "partial": (partial, {"medmnist", "ph2", "ham10000"}),
+    "mixed": (mixed, {"medmnist", "ph2", "ham10000"}),
     "fedmix": (fedmix, {"breast", "ham10000", "ph2", "retouch"}),
 }

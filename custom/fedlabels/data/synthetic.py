@@ -1,6 +1,6 @@
 """Embedded default data: small deterministic scenarios generated from a seed.
 
-Three families, each written as a scenario folder (profile.py):
+Four families, each written as a scenario folder (profile.py):
 
 * ``cxr`` -- multi-label chest-X-ray-like grayscale images, 6 co-occurring
   findings, 4 sites labeling the classes of FedPSL's Table I (with more
@@ -19,7 +19,15 @@ Three families, each written as a scenario folder (profile.py):
   4 sites), boxes from masks plus a random
   1-10 px margin; ``lesion_classes=2`` is a two-class flavour (pigmented and
   vascular lesions, each present or not) whose image-level tags carry class
-  presence, as RETOUCH's do.
+  presence, as RETOUCH's do;
+* ``mixed`` -- one federation whose sites label differently at once: the
+  ``medmnist`` images and Dirichlet(gamma) label split, viewed one-vs-rest as
+  multi-label (one-hot labels), and per site a role (``mixed_site_classes``):
+  site-1 annotates every class, the last site none (``supervision: none``,
+  every label entry -1), and the sites between them share the classes out in
+  contiguous blocks (4 sites: site-2 disc, ring, square, cross; site-3 pair,
+  bar, triangle, ellipse), each class annotated by site-1 and exactly one of
+  them. 3 to 10 sites; 3: site-2 annotates every class.
 
 ``default_scenario(family)`` generates into a cache folder on first use (under
 a file lock, so simultaneous simulator clients generate it once).
@@ -35,9 +43,10 @@ import numpy as np
 from PIL import Image
 
 from ..profile import SiteProfile, scenario_writer, write_json_atomic, write_site, write_yaml
-from .partition import FEDPSL_CLASSES_6, FEDPSL_SITE_CLASSES_6, missing_class_sets
+from .partition import (FEDPSL_CLASSES_6, FEDPSL_SITE_CLASSES_6, dirichlet_split, missing_class_sets,
+                        mixed_class_sets, mixed_roles)
 
-FAMILIES = ("cxr", "medmnist", "lesion")
+FAMILIES = ("cxr", "medmnist", "lesion", "mixed")
 # Part of the cache key: bump when what a seed produces changes (images, labels, site sizes).
 GENERATOR_VERSION = "v5"
 
@@ -66,6 +75,12 @@ LESION_CLASSES = ["lesion"]
 # present or not in an image on its own, so an image-level tag says which classes are present.
 LESION_CLASSES_2 = ["pigmented", "vascular"]
 VASCULAR_COLOUR = (0.70, 0.18, 0.22)
+
+
+def mixed_site_classes(sites: int = 4, classes=MEDMNIST_CLASSES) -> list:
+    """The classes each site of the ``mixed`` family annotates (``partition.mixed_class_sets`` over the
+    classes in order): 4 sites -> all 8, disc..cross, pair..ellipse, none. 3 to len(classes) + 2 sites."""
+    return [[classes[c] for c in s] for s in mixed_class_sets(len(classes), sites)]
 
 
 def _grid(size):
@@ -281,7 +296,8 @@ def generate(family: str, out, seed: int = 0, size: int | None = None, cases: in
     are per class). ``missing=k`` (cxr): FedMLP's setting instead of FedPSL Table I's label sets: each
     site annotates 6 - k of the findings on every case, every finding somewhere
     (``partition.missing_class_sets``, drawn from its own stream: the images of a seed are the same
-    whatever k).
+    whatever k). ``mixed``: ``cases`` in total (default 1200, test 400), ``gamma`` the Dirichlet label
+    skew as for medmnist; the roles are fixed (``mixed_site_classes``), so ``labeled`` is refused.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown synthetic family {family!r}; choose one of {FAMILIES}")
@@ -365,6 +381,42 @@ def generate(family: str, out, seed: int = 0, size: int | None = None, cases: in
                 c = i % len(classes)
                 _save_png(_mk(tmp / "test" / "images") / f"{i:05d}.png", medmnist_image(rng, c, size, shifts[i % sites]))
                 test.append({"image": f"images/{i:05d}.png", "label": c, "group": f"site-{i % sites + 1}"})
+        elif family == "mixed":
+            size, cases, test_cases = size or 28, cases or 1200, test_cases or 400
+            if labeled is not None:
+                raise ValueError("labeled applies to the medmnist family; the mixed family's roles are fixed: site-1 "
+                                 "annotates every class, the last site none, the others a share each")
+            task, classes = "multilabel", MEDMNIST_CLASSES
+            site_classes = mixed_site_classes(sites, classes)
+            roles = mixed_roles(mixed_class_sets(len(classes), sites), len(classes))
+            extra.update({"site_classes": dict(zip(names, site_classes)), "site_roles": dict(zip(names, roles)),
+                          "gamma": gamma})
+            y = rng.integers(0, len(classes), cases)
+            # Dirichlet label skew, redrawn until every site holds a training and a validation case
+            owner = np.empty(cases, int)
+            for k, part in enumerate(dirichlet_split(y, sites, gamma, rng, min_size=2)):
+                owner[part] = k
+            for k, name in enumerate(names):
+                idx = np.flatnonzero(owner == k)
+                keep = np.array([c in site_classes[k] for c in classes])
+                items, oracle = [], []
+                for j, i in enumerate(idx):
+                    rel = f"images/{j:05d}.png"
+                    _save_png(_mk(tmp / name / "images") / f"{j:05d}.png", medmnist_image(rng, y[i], size, shifts[k]))
+                    full = np.eye(len(classes), dtype=int)[y[i]]
+                    items.append({"image": rel, "label": np.where(keep, full, -1).tolist()})
+                    oracle.append({"image": rel, "label": full.tolist()})
+                train, val = _split(items, val_fraction, rng)
+                profile = SiteProfile(name, task, tuple(classes), tuple(site_classes[k]),
+                                      "none" if roles[k] == "none" else "image")
+                write_site(tmp / name, profile, train, val, {"training": _match(oracle, train), "validation": _match(oracle, val)})
+                say(f"{name}: {len(idx)} images ({roles[k]}: {', '.join(site_classes[k]) or 'no class'})")
+            test = []
+            for i in range(test_cases):
+                c = i % len(classes)
+                _save_png(_mk(tmp / "test" / "images") / f"{i:05d}.png", medmnist_image(rng, c, size, shifts[i % sites]))
+                test.append({"image": f"images/{i:05d}.png", "label": np.eye(len(classes), dtype=int)[c].tolist(),
+                             "group": f"site-{i % sites + 1}"})
         else:
             size, cases, test_cases = size or 64, cases or 120, test_cases or 120
             if lesion_classes not in (1, 2):
