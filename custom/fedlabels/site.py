@@ -147,9 +147,12 @@ def _loader(items, transform, batch_size, shuffle, seed, strong=None, batch_tran
     gen = torch.Generator().manual_seed(seed)
     # the bundle's train#batch_transforms augment each collated batch at once (fedlabels.bundle.augment)
     collate = BatchCollate(batch_transforms).set_random_state(seed) if batch_transforms else None
-    # An empty site (nothing it can learn from) gets an empty loader: its client abstains.
+    # An empty site (nothing it can learn from) gets an empty loader: its client abstains. A training
+    # epoch whose last batch would hold one case drops it (shuffled, a different case each epoch): batch
+    # norm cannot normalise a batch of one, and torch raises.
+    single = shuffle and batch_size > 1 and len(ds) % batch_size == 1
     return DataLoader(ds, batch_size=batch_size, shuffle=shuffle and len(ds) > 0, num_workers=0, generator=gen,
-                      drop_last=False, **({"collate_fn": collate} if collate else {}))
+                      drop_last=single, **({"collate_fn": collate} if collate else {}))
 
 
 def _items(site: SiteData, split: str, oracle: bool, labeled_only: bool):

@@ -644,6 +644,19 @@ def test_tadl_skips_a_batch_of_one_and_updates_bn_once_per_half():
     assert not torch.equal(frozen.net.features[0].weight, before["features.0.weight"])
 
 
+def test_tadl_with_training_batch_norm_skips_a_batch_whose_half_would_hold_one_case():
+    """A batch of 2 or 3 splits into a half of one case, which batch norm in training cannot normalise
+    (torch raises): skipped, as a batch of one is; without batch norm only a batch of one is skipped;
+    with batch norm frozen (FedBN+), every batch of 2 or more trains."""
+    data = make_data(batches=(6, 3, 2))
+    update = FedPSLClient(make_net(bn=True), context(*data), lr=0.05).train(to_numpy(make_net(bn=True).state_dict()), 0)
+    assert update.n == 6
+    update = FedPSLClient(make_net(), context(*data), lr=0.05).train(to_numpy(make_net().state_dict()), 0)
+    assert update.n == 11
+    frozen = FedPSLClient(make_net(bn=True, pretrained=True), context(*data), lr=0.05, bn_policy="fedbn+")
+    assert frozen.train(to_numpy(frozen.net.state_dict()), 0).n == 11
+
+
 def test_fedpsl_tdma_client_is_plain_pos_weighted_training():
     data = make_data(batches=(6,))
     loader, _, summary = data

@@ -16,7 +16,8 @@ TDMA -- task-dependent model aggregation (Eq. 9), ``TDMAServer``
 
 TADL -- task-agnostic decoupling learning (Algorithm 1), ``FedPSLClient(tadl=True)``
     Each mini-batch is split in half: B_train = the first ceil(B/2) cases,
-    B_val = the rest (a batch of one case is skipped). Per batch:
+    B_val = the rest (a batch of one case is skipped, and a batch of two or three where batch norm
+    trains on each half: it cannot normalise a half of one case). Per batch:
 
     1. L_t = L_Btrain(g_phi ∘ f_theta); g_theta, g_phi = grad of L_t
        (``create_graph`` unless ``first_order``);
@@ -112,10 +113,15 @@ class FedPSLClient(HeadMetaMixin, ClientRule):
         if not self.tadl:
             return super().train_step(batch)
         x, y = batch["image"].to(self.device), batch["label"].to(self.device)
-        if x.shape[0] < 2:
-            return None  # no half to spare for B_val
+        if x.shape[0] < self.smallest_batch():
+            return None  # no half to spare for B_val (with batch norm training: no half of one case)
         h = (x.shape[0] + 1) // 2
         return self.tadl_step(x[:h], y[:h], x[h:], y[h:])
+
+    def smallest_batch(self) -> int:
+        """2 cases (one a half); 4 where batch norm trains on each half, which cannot normalise a single case."""
+        bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training for m in self.net.modules())
+        return 4 if bn else 2
 
     def tadl_step(self, x_train, y_train, x_val, y_val) -> float:
         net, opt = self.net, self.optimizer
