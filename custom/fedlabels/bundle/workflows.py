@@ -342,6 +342,17 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
                     raise ValueError(f"{bundle}/configs/inference.json: no 'intensity' entry to carry the "
                                      f"intensity scaling of the run's protocol {protocol!r}")
                 infer["intensity"] = preset["intensity"]
+            for key, value in preset.items():  # the network the preset trained (e.g. its width)
+                if key.startswith("network_def#"):
+                    name = key.split("#", 1)[1]
+                    if name not in infer["network_def"]:
+                        raise ValueError(f"{bundle}/configs/inference.json: network_def has no {name!r} to carry "
+                                         f"the network setting {key}={value!r} of the run's protocol {protocol!r}")
+                    infer["network_def"][name] = value
+        if class_names is None and data is not None:  # the scenario's classes, not the bundle's defaults
+            from ..profile import load_scenario
+
+            class_names = load_scenario(data, sites=[], with_test=False, check_files=False).classes
         if class_names is not None:
             infer["class_names"] = [str(c) for c in class_names]
         window = _scenario_window(data) if data is not None else None
@@ -359,6 +370,12 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
         for key, value in {**(trained.network if trained else {}), **(network or {})}.items():
             if key == "init_ckpt" or (twin_model and key in ("_target_", "output")):
                 continue  # where training started; a FedMix model's network class (set above)
+            if key == "out_channels" and key not in infer["network_def"]:  # outputs follow the class list
+                if isinstance(infer["class_names"], list) and len(infer["class_names"]) == value:
+                    continue
+                raise ValueError(f"{ckpt}: the run's network has {value} outputs (network option out_channels) "
+                                 f"but the inference class list is {infer['class_names']!r}: give the scenario "
+                                 "(--data) or the class names")
             if key not in infer["network_def"]:
                 raise ValueError(f"{bundle}/configs/inference.json: network_def has no {key!r} to carry the network "
                                  f"option {key}={value!r}")
