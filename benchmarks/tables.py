@@ -16,7 +16,10 @@ A plan (YAML, ``benchmarks/plans/``) says what a table holds; this script holds 
   a group name or ``sites`` = the mean over the site-k groups; ``per_split: true`` lists the splits'
   values in seed order instead of their mean ± sd) or ``recalled: true`` (per split, the
   classes the model recalls at all; 1 = one class predicted) or ``records: [keys]`` (from the round
-  records, per split: ``agg`` sum|mean over sites and rounds, ``last`` N rounds, ``per_site``);
+  records, per split: ``agg`` sum|mean over sites and rounds, ``last`` N rounds, ``per_site``); a value
+  column with ``minus: METHOD`` (e.g. ``local:site-1``, a floor row) shows, per split, the row's value less
+  that method's in the same run and split, as the mean ± sd of those paired differences and how many
+  splits are above 0 (the spread of the difference itself, not of either row);
 * ``paper``: ``source`` and ``columns`` (the labels the printed values fill, in order), and
   ``values``: key -> ``{table, row, values}``, the numbers as the paper prints them;
 * ``for``: a list of factors, each a list of variable mappings; a section is written once per
@@ -110,7 +113,7 @@ FIELDS = {"prepare": {"data", "command"}, "paper": {"source", "columns", "values
           "paper value": {"table", "row", "values"}, "section": {"heading", "note", "for", "runs", "rows", "class_floor"},
           "run": {"methods", "bench", "data", "dir", "vars"}, "row": {"run", "method", "label", "paper", "floor"},
           "column": {"label", "metric", "model", "round", "group", "per_split", "recalled", "records", "agg", "last",
-                     "per_site"}}
+                     "per_site", "minus"}}
 FILLED_LATER = {"seed", "data", "src"}  # filled per split, by the driver
 
 
@@ -415,6 +418,17 @@ def column_text(by_seed: list, col) -> str:
     return fmt(vals)
 
 
+def paired_text(by_seed: list, ref_by_seed: list, col) -> str:
+    """Per split, the row's value less the reference row's (``minus``): mean ± sd, and the splits above 0."""
+    diffs = [value(a, col) - value(b, col) for a, b in zip(by_seed, ref_by_seed)
+             if a is not None and b is not None and value(a, col) is not None and value(b, col) is not None]
+    if not diffs:
+        return "not run"
+    mean = round(100 * float(np.mean(diffs)), 1) + 0.0  # + 0.0: no "-0.0"
+    text = f"{mean:+.1f}" + (f" ± {100 * np.std(diffs, ddof=1):.1f}" if len(diffs) > 1 else "")
+    return f"{text} ({sum(d > 0 for d in diffs)}/{len(diffs)} above)"
+
+
 def share(plan: TablePlan, splits: dict, run: Run, site: str) -> float | None:
     """The site's share of the training cases (%), mean over the plan's splits of this run."""
     shares = []
@@ -485,7 +499,8 @@ def section_table(plan: TablePlan, rows: list, cells: dict, splits: dict, with_c
     for row in rows:
         by_seed = seed_cells(plan, cells, row)
         got = [c for c in by_seed if c is not None]
-        cols = [column_text(by_seed, c) for c in columns]
+        cols = [paired_text(by_seed, seed_cells(plan, cells, {**row, "method": c["minus"]}), c) if c.get("minus")
+                else column_text(by_seed, c) for c in columns]
         lines.append(f"| {row['label']} ({len(got)}) | " + " | ".join(cols)
                      + (f" | {paper_text(plan, row)} |" if paper else " |"))
     if with_class_floor:

@@ -116,6 +116,13 @@ def medmnist_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def mixed_data(tmp_path_factory):
+    """The embedded mixed scenario, small: site-1 annotates every class, site-2 and site-3 a half each,
+    site-4 none; 48 cases in all (Dirichlet 0.8 over the 4 sites), 12 test cases, 28 px."""
+    return generate("mixed", tmp_path_factory.mktemp("mixed") / "mixed", seed=0, cases=48, test_cases=12)
+
+
+@pytest.fixture(scope="session")
 def lesion_data(tmp_path_factory):
     """Two 32 px lesion scenarios of 2 sites: a pixel site beside a box site, or beside an image-level site."""
     root = tmp_path_factory.mktemp("lesion")

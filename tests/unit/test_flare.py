@@ -133,9 +133,10 @@ def test_committed_jobs_match_their_code(tmp_path):
 
 
 def test_every_job_runs_in_the_simulator_or_shares_the_code_of_jobs_that_do():
-    """A job is run in the simulator here or in tests/simulator/test_fedmix_flare.py, or every class its method
+    """A job is run in the simulator here, in tests/simulator/test_fedmix_flare.py or tests/simulator/test_composed_job.py, or every class its method
     trains and aggregates with runs in the jobs COVERED_BY names, on the same bundle and task."""
-    simulated = set(CXR) | {"fedavg_medmnist", "fedavg_lesion"} | set(SEMI_SUPERVISED) | set(FEDMIX_RUNS)
+    simulated = set(CXR) | {"fedavg_medmnist", "fedavg_lesion"} | set(SEMI_SUPERVISED) | set(FEDMIX_RUNS) \
+        | {"composed_mixed"}  # tests/simulator/test_composed_job.py
     assert not simulated & set(COVERED_BY) and simulated | set(COVERED_BY) == set(JOBS)
     for name, covering in COVERED_BY.items():
         spec, others = JOBS[name], [JOBS[c] for c in covering]
@@ -148,8 +149,10 @@ def test_every_job_runs_in_the_simulator_or_shares_the_code_of_jobs_that_do():
         assert method.uses_unlabeled in {methods.get(o.method).uses_unlabeled for o in others}, name
 
 
-def test_every_task_has_a_job():
-    assert {spec.family for spec in JOBS.values()} == {"cxr", "medmnist", "lesion"}
+def test_every_embedded_family_has_a_job():
+    from fedlabels.data.synthetic import FAMILIES
+
+    assert {spec.family for spec in JOBS.values()} == set(FAMILIES) == {"cxr", "medmnist", "lesion", "mixed"}
 
 
 def test_the_loss_and_prototype_drills_are_dropped_by_the_rules_that_read_them():

@@ -105,6 +105,18 @@ def test_the_table_is_the_hand_computed_means_floors_and_paper_values(filled):
     assert "| Level one | 60.0 ± 14.1 (1/2 one class) / 70.0 | 75.0 ± 14.1 (one model per class) |" in glance
 
 
+def test_a_minus_column_is_the_paired_difference_from_the_floor_split_by_split(filled):
+    plan = yaml.safe_load(filled.read_text())
+    plan["columns"].append({"label": "less site-1", "metric": "auroc", "minus": "local:site-1"})
+    filled.write_text(yaml.safe_dump(plan, sort_keys=False))
+    text = tables.table(tables.load_plan(filled))
+    # FedAvg (0.5, 0.7) less site-1 alone (0.55, 0.65): -5.0 and +5.0 -> +0.0 ± 7.1, 1 of 2 splits above;
+    # the means' difference alone (60.0 - 60.0) would hide that the row is below the floor in one split
+    assert "| 1,2 | +0.0 ± 7.1 (1/2 above) | 70.0 (Table 9, FedAvg) |" in text, text
+    # site-2 alone (0.3, 0.5) less site-1 alone: -25 and -15
+    assert "| -20.0 ± 7.1 (0/2 above) |" in text
+
+
 def test_the_glance_floor_without_class_floor_is_the_best_site_alone(filled):
     plan = yaml.safe_load(filled.read_text())
     plan["sections"][0]["class_floor"] = False

@@ -132,7 +132,16 @@ FEDMIX_JOBS = [
     JobSpec("fedst_lesion", "fedst", bundle="lesion_unet", family="lesion", client=dict(LESION_TRAINING),
             server={"warmup_rounds": 5}),
 ]
-JOBS = {spec.name: spec for spec in CXR_JOBS + OTHER_TASK_JOBS + SEMISUP_JOBS + FEDMLP_JOBS + FEDMIX_JOBS}
+# The composed method on the embedded mixed scenario (a site annotating every class, sites annotating a share of
+# them, a site annotating none; docs/methods/composed.md), with the settings of the BloodMNIST partial-label
+# tables (preset fedmlp_blood: ResNet-18 at width 0.25 from scratch, 32 px, Adam 1e-3). The bundle's own class
+# list is the chest X-ray one: the server's initial model gets the scenario's 8 outputs.
+MIXED_JOBS = [
+    JobSpec("composed_mixed", "composed", bundle="cxr_resnet18", family="mixed", protocol="fedmlp_blood",
+            network={"out_channels": 8}),
+]
+
+JOBS = {spec.name: spec for spec in CXR_JOBS + OTHER_TASK_JOBS + SEMISUP_JOBS + FEDMLP_JOBS + FEDMIX_JOBS + MIXED_JOBS}
 
 
 def check_sites(spec: JobSpec) -> None:
