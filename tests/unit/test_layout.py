@@ -55,3 +55,28 @@ def test_no_two_modules_import_each_other():
     deps = {name: imports(name, path, modules) for name, path in modules.items()}
     circles = [(a, b) for a, b in itertools.combinations(sorted(modules), 2) if b in deps[a] and a in deps[b]]
     assert not circles, f"modules that import each other: {circles}"
+
+
+def test_a_site_process_imports_neither_ignite_nor_matplotlib_and_the_executor_module_no_training_stack():
+    """The job's client script and the executor mark ignite and matplotlib absent before MONAI is imported
+    (fedlabels.flare.lean); the site's code still imports and builds a bundle's training transforms and
+    network without them. Importing the executor (as the job writer does) imports no torch or MONAI."""
+    import subprocess
+    import sys
+
+    probe = """
+import sys
+import fedlabels.flare.executor
+assert not {"torch", "monai"} & set(sys.modules), sorted({"torch", "monai"} & set(sys.modules))
+from fedlabels.flare.lean import skip_unused_imports
+assert skip_unused_imports() == ["ignite", "matplotlib"]
+import fedlabels.flare.client
+from fedlabels.bundle import bundle_path, network, read
+parser = read(bundle_path("cxr_resnet18"))
+parser.get_parsed_content("train#preprocessing", instantiate=True)
+network(bundle_path("cxr_resnet18"), {"widen_factor": 0.25})
+print(sorted(m for m in ("ignite", "matplotlib") if sys.modules.get(m) is not None))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -20,7 +20,6 @@ from nvflare.apis.signal import Signal
 from nvflare.app_common.abstract.fl_model import ParamsType
 from nvflare.app_common.utils.fl_model_utils import FLModelUtils
 
-from .client import SiteSession, build_parser
 from .gate import site_gate
 
 
@@ -38,6 +37,13 @@ class SiteExecutor(Executor):
 
     def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         if self.session is None:
+            # the site's job process, before its first import of MONAI (fedlabels.flare.lean); the job writer
+            # that builds this executor imports nothing of the training stack
+            from .lean import skip_unused_imports
+
+            skip_unused_imports()
+            from .client import SiteSession, build_parser
+
             app = Path(fl_ctx.get_engine().get_workspace().get_app_dir(fl_ctx.get_job_id()))
             site = fl_ctx.get_identity_name()
             # "custom" is where a job's own bundle would be; ../config holds the job's filters
