@@ -39,6 +39,17 @@ def run_cli(argv) -> tuple:
     return code, out.getvalue(), err.getvalue()
 
 
+def one_error_line(result) -> str:
+    """The one line a refused command wrote to stderr, from ``(exit code, stdout, stderr)``; fails unless the
+    command failed with exactly one line and no traceback."""
+    rc, out, err = result
+    assert rc != 0, (out, err)
+    assert "Traceback" not in out + err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]
+
+
 def cli_in_repo(argv) -> tuple:
     """(exit code, stdout, stderr) of ``fedlabels ARGV`` run through ``cli.main`` in this process, from the
     repository as the subprocesses; an exception escaping ``main`` is written to stderr as the interpreter would."""
