@@ -59,7 +59,7 @@ CXR_SCALES = "1, 0.6, 1.6, 0.8"
 # themselves (train and evaluate do, in bundle.workflows): main() validates it
 # with profile.load_scenario first, so a malformed scenario is one ScenarioError
 # line before any model code is imported or trained.
-SCENARIO_COMMANDS = ("baseline", "simulate", "report", "export")
+SCENARIO_COMMANDS = ("baseline", "simulate", "report", "export", "methods")
 
 # Subcommands that write a folder, some replacing it whole: (its option, what an earlier output of the
 # command always holds, what it is). main() refuses a non-empty folder holding none of these unless
@@ -192,9 +192,23 @@ def cmd_baseline(args):
 def cmd_methods(args):
     from . import methods
 
+    if not args.data:
+        for name in methods.names():
+            m = methods.get(name)
+            _say(f"{name:14s} {', '.join(m.tasks):28s} {m.doc}")
+        return
+    # which methods can run on this scenario's sites, and what each does with each site (Method.site_roles)
+    from .profile import load_scenario
+
+    summaries = {s: site.summary() for s, site in load_scenario(args.data, with_test=False).sites.items()}
     for name in methods.names():
         m = methods.get(name)
-        _say(f"{name:14s} {', '.join(m.tasks):28s} {m.doc}")
+        why = m.refusal(summaries)
+        if why:
+            _say(f"{name:14s} refused: {why}")
+        else:
+            roles = m.site_roles(summaries)
+            _say(f"{name:14s} runs: " + "; ".join(f"{s} {r}" for s, r in roles.items()))
 
 
 def build_parser(flare: bool | str = True) -> argparse.ArgumentParser:
@@ -283,7 +297,10 @@ def build_parser(flare: bool | str = True) -> argparse.ArgumentParser:
     s.add_argument("--out", help="save the test metrics as JSON")
     s.set_defaults(fn=cmd_baseline)
 
-    s = sub.add_parser("methods", help="list the registered federated methods")
+    s = sub.add_parser("methods", help="list the registered federated methods; with --data, which of them can run "
+                                       "on a scenario and what each does with each site")
+    s.add_argument("--data", help="a scenario folder: say for each method whether it serves every site "
+                                  "(and what it does with each) or why it is refused")
     s.set_defaults(fn=cmd_methods)
 
     s = sub.add_parser("bundles", help="the MONAI bundles found by name (FEDLABELS_BUNDLES's folders first, then "

@@ -78,3 +78,14 @@ def test_a_training_epoch_never_ends_with_a_batch_of_one_case(run):
     sizes = [len(b["image"]) for b in st.train_loader]
     assert sizes == [8] * (cases // 8)
     assert sum(len(b["image"]) for b in st.val_loader) == len(st.site.validation)
+
+
+def test_fedlabels_methods_with_data_says_which_methods_serve_the_sites_and_how(run):
+    code, out, err = run_cli(["methods", "--data", run / "data" / "mixed-seed0"])
+    assert code == 0, err
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert set(lines) == set(methods.names())
+    assert lines["isofed"].endswith("refused: isofed handles multiclass tasks, not multilabel")
+    assert "site-4 trains on its images without labels" in lines["composed"]
+    assert "site-2 trains on the classes it annotates only" in lines["surgical"]
+    assert f"site-4 {methods.ABSTAINS}" in lines["surgical"]
