@@ -37,7 +37,8 @@ pytestmark = pytest.mark.poc_jobs
 SITES = ("site-1", "site-2")
 # the embedded data of each family, as small as the simulator tests' (tests/conftest.py)
 SYNTH = {"cxr": {"cases": 16, "test_cases": 12}, "medmnist": {"sites": 2, "cases": 48, "test_cases": 16},
-         "lesion": {"sites": 2, "size": 32, "cases": 12, "test_cases": 8}}
+         "lesion": {"sites": 2, "size": 32, "cases": 12, "test_cases": 8},
+         "mixed": {"cases": 48, "test_cases": 12}}  # 4 sites written; the two POC sites: every class and a half
 # RSCFed's default subsets of 3 sites need 3 (job.py refuses -n 2); with two, subsets of two
 CHANGES = {"rscfed_medmnist": {"server": {"subset_size": 2}}}
 AT_ONCE = 2  # jobs submitted at once (nvflare's POC server runs several; each job is 3 processes)
