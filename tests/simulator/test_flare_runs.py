@@ -487,7 +487,8 @@ def test_semi_supervised_job_without_a_labeled_site_stops_before_round_0(tmp_pat
     with pytest.raises(RuntimeError, match="did not finish"):
         simulate_job(job("isofed_medmnist"), data, tmp_path)
     text = (tmp_path / "isofed_medmnist.log").read_text()
-    assert "method isofed: no site has a labeled training case" in text
+    # the method's declared need (Method.refusal), before its server rule is set up
+    assert "method isofed: isofed needs a site that annotates every class; none of ['site-1', 'site-2'] does" in text
     assert "round 0 site-" not in text  # no round was trained
 
 
