@@ -128,3 +128,19 @@ def pixels(path):
     import numpy as np
 
     return np.asarray(image(path))
+
+
+# The small real datasets beside the clone (../shared/data) or where FEDLABELS_SHARED_DATA says.
+DATA = Path(os.environ.get("FEDLABELS_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+def need(*parts):
+    """The real data file or folder under ``DATA``; skips when it is missing, but fails under CI
+    (``CI=true``, set by .ci/run), where the data must be there."""
+    path = DATA.joinpath(*parts)
+    if not path.exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"real data missing under CI: {path} (place the clone beside shared/ or set "
+                        f"FEDLABELS_SHARED_DATA)", pytrace=False)
+        pytest.skip(f"real data not available: {path}")
+    return path

@@ -10,8 +10,6 @@ clone) and skip without it, failing under ``CI=true`` instead, as tests/unit/tes
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,20 +20,9 @@ from fedlabels.data import prepare, synthetic
 from fedlabels.data.common import PrepareError
 from fedlabels.data.synthetic import MEDMNIST_CLASSES, generate, mixed_site_classes
 from fedlabels.profile import load_scenario
-from helpers import digest, image, run_cli
+from helpers import digest, image, need, run_cli
 
-DATA = Path(os.environ.get("FEDLABELS_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
 FIRST, SECOND = MEDMNIST_CLASSES[:4], MEDMNIST_CLASSES[4:]
-
-
-def need(*parts):
-    path = DATA.joinpath(*parts)
-    if not path.exists():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"real data missing under CI: {path} (place the clone beside shared/ or set "
-                        f"FEDLABELS_SHARED_DATA)", pytrace=False)
-        pytest.skip(f"real data not available: {path}")
-    return path
 
 
 def items(site):

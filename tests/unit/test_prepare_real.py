@@ -14,7 +14,6 @@ elsewhere cannot pass by skipping every real-data check.
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import numpy as np
@@ -23,19 +22,8 @@ import yaml
 
 from fedlabels.data import medmnist, partition, prepare
 from fedlabels.profile import load_scenario
-from helpers import image, pixels
+from helpers import DATA, image, need, pixels
 
-DATA = Path(os.environ.get("FEDLABELS_SHARED_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
-
-
-def need(*parts):
-    path = DATA.joinpath(*parts)
-    if not path.exists():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"real data missing under CI: {path} (place the clone beside shared/ or set "
-                        f"FEDLABELS_SHARED_DATA)", pytrace=False)
-        pytest.skip(f"real data not available: {path}")
-    return path
 
 
 def run(*argv):

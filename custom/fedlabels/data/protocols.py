@@ -198,6 +198,25 @@ def isofed(sources, o: Options, rng, say=print) -> SplitPlan:
 # ------------------------------------------------------------------ partial
 
 
+def _site_shares(cases, pool, k: int, gamma, rng) -> tuple:
+    """The pool's cases dealt to k sites by patient: Dirichlet(gamma) label skew, or IID equal shares
+    (gamma None); returns (per-site case indices, how, in words)."""
+    if gamma is not None:
+        by_patient = P.group_index([cases[i].patient for i in pool])
+        patients = list(by_patient)
+        parts = P.dirichlet_split([cases[pool[by_patient[p][0]]].labels for p in patients], k, gamma, rng)
+        return ([sorted(pool[j] for p in part for j in by_patient[patients[p]]) for part in parts],
+                f"Dirichlet(gamma={gamma})")
+    parts = P.split_groups_equal([cases[i].patient for i in pool], k, rng)
+    return [[pool[j] for j in part] for part in parts], "IID, equal patient-level shares"
+
+
+def _onehot(y, c: int) -> list:
+    v = [0] * c
+    v[int(y)] = 1
+    return v
+
+
 def partial(sources, o: Options, rng, say=print) -> SplitPlan:
     src = sources["main"]
     classes = _classes_for(src, o)
@@ -217,33 +236,19 @@ def partial(sources, o: Options, rng, say=print) -> SplitPlan:
     else:
         missing = o.missing if o.missing is not None else min(c // 2, c - math.ceil(c / k))
         sets = P.missing_class_sets(c, k, missing, rng)
-    if o.gamma is not None:
-        by_patient = P.group_index([cases[i].patient for i in pool])
-        patients = list(by_patient)
-        parts = P.dirichlet_split([cases[pool[by_patient[p][0]]].labels for p in patients], k, o.gamma, rng)
-        site_idx = [sorted(pool[j] for p in part for j in by_patient[patients[p]]) for part in parts]
-        split_how = f"Dirichlet(gamma={o.gamma})"
-    else:
-        parts = P.split_groups_equal([cases[i].patient for i in pool], k, rng)
-        site_idx = [[pool[j] for j in part] for part in parts]
-        split_how = "IID, equal patient-level shares"
-
-    def onehot(y):
-        v = [0] * c
-        v[int(y)] = 1
-        return v
+    site_idx, split_how = _site_shares(cases, pool, k, o.gamma, rng)
 
     sites = []
     for s, name in enumerate(site_names(k)):
         annotated = [classes[j] for j in sets[s]]
 
         def make(cs, annotated=annotated):
-            full = onehot(cs.labels)
+            full = _onehot(cs.labels, c)
             return Entry(cs, _masked(full, classes, annotated), full)
 
         tr, va = _split_site(cases, site_idx[s], rng, o.val_fraction, make)
         sites.append(SitePlan(name, annotated, "image", tr, va, f"{src.name} {split_how}; annotates {annotated}"))
-    test_entries = [Entry(cases[i], onehot(cases[i].labels), onehot(cases[i].labels)) for i in test]
+    test_entries = [Entry(cases[i], _onehot(cases[i].labels, c), _onehot(cases[i].labels, c)) for i in test]
     return SplitPlan(o.name or f"{src.name}-partial", "multilabel", classes, src.channels, None, sites, test_entries,
                 protocol={"name": "partial", "sites": k, "site_classes": [[classes[j] for j in s] for s in sets],
                           "split": split_how, "test": how, "val_fraction": o.val_fraction, "limit": o.limit},
@@ -292,28 +297,14 @@ def mixed(sources, o: Options, rng, say=print) -> SplitPlan:
     roles = P.mixed_roles(sets, c)
     pool, test, how = _pool_and_test(src, o, rng)
     cases = src.cases
-    if o.gamma is not None:
-        by_patient = P.group_index([cases[i].patient for i in pool])
-        patients = list(by_patient)
-        parts = P.dirichlet_split([cases[pool[by_patient[p][0]]].labels for p in patients], k, o.gamma, rng)
-        site_idx = [sorted(pool[j] for p in part for j in by_patient[patients[p]]) for part in parts]
-        split_how = f"Dirichlet(gamma={o.gamma})"
-    else:
-        parts = P.split_groups_equal([cases[i].patient for i in pool], k, rng)
-        site_idx = [[pool[j] for j in part] for part in parts]
-        split_how = "IID, equal patient-level shares"
-
-    def onehot(y):
-        v = [0] * c
-        v[int(y)] = 1
-        return v
+    site_idx, split_how = _site_shares(cases, pool, k, o.gamma, rng)
 
     sites = []
     for s, name in enumerate(site_names(k)):
         annotated = [classes[j] for j in sets[s]]
 
         def make(cs, annotated=annotated):
-            full = onehot(cs.labels)
+            full = _onehot(cs.labels, c)
             return Entry(cs, _masked(full, classes, annotated), full)
 
         tr, va = _split_site(cases, site_idx[s], rng, o.val_fraction, make)
@@ -321,7 +312,7 @@ def mixed(sources, o: Options, rng, say=print) -> SplitPlan:
             roles[s], f"annotates {annotated}")
         sites.append(SitePlan(name, annotated, "none" if roles[s] == "none" else "image", tr, va,
                               f"{src.name} {split_how}; {roles[s]}: {what}"))
-    test_entries = [Entry(cases[i], onehot(cases[i].labels), onehot(cases[i].labels)) for i in test]
+    test_entries = [Entry(cases[i], _onehot(cases[i].labels, c), _onehot(cases[i].labels, c)) for i in test]
     return SplitPlan(o.name or f"{src.name}-mixed", "multilabel", classes, src.channels, None, sites, test_entries,
                 protocol={"name": "mixed", "sites": k, "site_classes": [[classes[j] for j in s] for s in sets],
                           "site_roles": roles, "class_sets": how_sets, "gamma": o.gamma, "split": split_how,
