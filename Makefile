@@ -41,20 +41,28 @@ $(BIN)/mkdocs: $(BIN)/fedlabels
 demo: venv
 	$(BIN)/fedlabels demo --out demo
 
-# The deployment lane (tests/deploy: a provisioned federation on loopback, POC mode, the release build) waits
-# on nvflare's heartbeats and job polling far more than it computes (about a third of one core), so it runs in a
-# second pytest process beside tests/unit and tests/simulator; its output follows theirs, and either failing
-# fails the target. Both write their temporary folders (simulator workspaces, kits, checkpoints: several GB)
-# into one new folder, removed when both pass and kept, with its path printed, when one fails. TMPDIR points
-# into it too, so what a killed process leaves in its own temporary folder goes with the rest.
+# Two pytest processes share the cores. The deployment lane (tests/deploy: a provisioned federation on loopback,
+# POC mode, the release build) waits on nvflare's heartbeats and job polling far more than it computes (about a
+# third of one core), so it runs in a second process beside tests/unit and tests/simulator, and takes with it
+# the simulator files of SECOND_PROCESS: tests that start their own simulator or CLI processes and share no
+# session run with the rest (no SHARED_RUNS, tests/shared_runs.py), chosen by their measured times so that both
+# processes end at about the same time. That is load balancing only: those tests keep their folder and marker
+# (the simulator lane), and the first process ignores exactly the files the second one runs, so every test
+# runs once. The second process's output follows the first's, and either failing fails the target. Both
+# write their temporary folders (simulator workspaces, kits, checkpoints: several GB) into one new folder,
+# removed when both pass and kept, with its path printed, when one fails. TMPDIR points into it too, so what
+# a killed process leaves in its own temporary folder goes with the rest.
+SECOND_PROCESS := tests/simulator/test_readme_flare.py tests/simulator/test_cli_simulate.py
 test: venv
 	@mkdir -p $(REPORTS)
 	@tmp=$$(mktemp -d -t fedlabels-tests.XXXXXX); mkdir $$tmp/tmp; export TMPDIR=$$tmp/tmp; \
 	$(BIN)/python -m pytest -q -m "not drills and not poc_jobs" --basetemp=$$tmp/deploy --durations=15 \
-	    --junitxml=$(REPORTS)/junit-deploy.xml tests/deploy > $(REPORTS)/deploy.log 2>&1 & deploy=$$!; \
+	    --junitxml=$(REPORTS)/junit-deploy.xml tests/deploy $(SECOND_PROCESS) > $(REPORTS)/deploy.log 2>&1 & \
+	deploy=$$!; \
 	$(BIN)/python -m pytest -q --basetemp=$$tmp/suite --durations=15 \
-	    --junitxml=$(REPORTS)/junit.xml tests/unit tests/simulator; rest=$$?; \
-	wait $$deploy; lane=$$?; echo "---- deployment lane (tests/deploy) ----"; cat $(REPORTS)/deploy.log; \
+	    --junitxml=$(REPORTS)/junit.xml tests/unit tests/simulator $(SECOND_PROCESS:%=--ignore=%); rest=$$?; \
+	wait $$deploy; lane=$$?; echo "---- second process (tests/deploy $(SECOND_PROCESS)) ----"; \
+	cat $(REPORTS)/deploy.log; \
 	echo "tests wrote $$(du -sh $$tmp | cut -f1) of temporary files in $$tmp"; \
 	if [ $$rest -eq 0 -a $$lane -eq 0 ]; then rm -rf $$tmp; else echo "kept $$tmp for inspection"; exit 1; fi
 
