@@ -25,7 +25,6 @@ Writes ``OUT/deployment.md`` and ``OUT/deployment.json`` (default OUT: benchmark
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -100,7 +99,7 @@ def run_deployment(tmp: Path, full: Path, rounds: int) -> dict:
 
 
 def run_simulator(tmp: Path, full: Path, rounds: int) -> dict:
-    spec = dataclasses.replace(JOBS["fedavg_cxr"], sites=2, rounds=rounds, min_sites=2)
+    spec = JOBS["fedavg_cxr"].replace(sites=2, rounds=rounds, min_sites=2)
     job = export(spec, tmp / "jobs")
     t0 = time.time()
     run_dir = simulate(job, tmp / "ws", 2, data=full, log=tmp / "sim.log", timeout=3600)

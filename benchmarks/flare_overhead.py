@@ -38,7 +38,6 @@ only prints, unless ``--out`` is given).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -317,7 +316,7 @@ def run_flare(work: Path, data: Path, rounds: int, sites: int, threads: int, tag
     from fedlabels.flare.simulator import simulate
     from fedlabels.flare.job import JOBS, export
 
-    spec = dataclasses.replace(JOBS[job], name=f"{job}_{tag}", rounds=rounds, sites=sites, **changes)
+    spec = JOBS[job].replace(name=f"{job}_{tag}", rounds=rounds, sites=sites, **changes)
     job_dir = export(spec, work / "jobs")
     ws, log = work / f"ws-{tag}", work / f"{tag}.log"
     lo0 = loopback_bytes()

@@ -8,8 +8,8 @@ A method page holds its rule in prose (cited to the paper) and one generated blo
     <!-- end facts -->
 
 The block lists the page's registered rows with their options and defaults (``fedlabels.methods``), the
-shipped FLARE jobs that run them (``fedlabels.flare.job.JOBS``), the protocol presets those jobs and the
-plans train with, each value beside its source (``configs/protocols/*.json`` of the bundle), the plans of
+shipped FLARE jobs that run them (``fedlabels.flare.job.JOBS``), the presets those jobs and the
+plans train with, each value beside its source (``configs/presets/*.json`` of the bundle), the plans of
 ``benchmarks/plans/`` that run the rows, and the results files and pages those plans write.
 """
 
@@ -99,7 +99,7 @@ def plan_methods(plan: dict) -> set:
 
 def plan_presets(plan: dict) -> set:
     bench = [str(x) for x in plan.get("bench", [])]
-    return {bench[i + 1] for i, x in enumerate(bench[:-1]) if x == "--protocol"}
+    return {bench[i + 1] for i, x in enumerate(bench[:-1]) if x == "--preset"}
 
 
 def results_pages(out: str) -> list:
@@ -132,7 +132,7 @@ def render_facts(page: str) -> str:
     out += ["", "**FLARE jobs** (`nvflare_jobs/<job>/`, written by `fedlabels jobs`):", ""]
     if jobs:
         out += ["| job | row | bundle | preset |", "|---|---|---|---|"]
-        out += [f"| `{s.name}` | `{s.method}` | `{s.bundle}` | {f'`{s.protocol}`' if s.protocol else '—'} |"
+        out += [f"| `{s.name}` | `{s.method}` | `{s.run.bundle}` | {f'`{s.run.data.preset}`' if s.run.data.preset else '—'} |"
                 for s in sorted(jobs, key=lambda s: s.name)]
     else:
         out.append("none shipped")
@@ -141,7 +141,7 @@ def render_facts(page: str) -> str:
         plan = read_plan(path)
         if plan_methods(plan) & set(rows):
             plans.append((path, plan))
-    presets = sorted({s.protocol for s in jobs if s.protocol} | {p for _, plan in plans for p in plan_presets(plan)}
+    presets = sorted({s.run.data.preset for s in jobs if s.run.data.preset} | {p for _, plan in plans for p in plan_presets(plan)}
                      | {p for p in PRESETS if p == page or p.startswith(page + "_")})
     out += ["", "**Plans and results** (`python benchmarks/tables.py PLAN`):", ""]
     if plans:
@@ -159,8 +159,8 @@ def render_facts(page: str) -> str:
         p = load(name)
         data = json.loads(p.path.read_text())
         # named by the bundle, not by where it is installed (a checkout's bundles/ or the package data)
-        out += ["", f"**Preset `{name}`** (`bundles/{p.bundle.name}/configs/protocols/{p.path.name}`; "
-                f"`--protocol {name}`): "
+        out += ["", f"**Preset `{name}`** (`bundles/{p.bundle.name}/configs/presets/{p.path.name}`; "
+                f"`--preset {name}`): "
                 f"{p.rounds} rounds x {p.local_epochs} local epoch(s). Each value and its source:", "",
                 "| setting | value | source |", "|---|---|---|"]
         for key, source in p.sources.items():

@@ -2,7 +2,7 @@
 
 Methods (IsoFed's table; ``--rows``)::
 
-    python benchmarks/reference_check.py --protocol isofed --rows oracle:wfedavg,isofed,mt_wfedavg \
+    python benchmarks/reference_check.py --preset isofed --rows oracle:wfedavg,isofed,mt_wfedavg \
         --data 'DIR-s{seed}' --seeds 0,1,2 --rounds 20 --eval-rounds 5,10,20 --label pneumoniamnist-g0.8-1L3U
 
 Per split s (one prepared split each; ``{seed}`` in ``--data``) and row, the project's row runs twice
@@ -13,11 +13,11 @@ and stops on any it cannot).
 
 FedAvg (the training path; no ``--rows``)::
 
-    python benchmarks/reference_check.py --protocol isofed --data 'DIR-s{seed}' --seeds 0,1,2 --rounds 20 \
+    python benchmarks/reference_check.py --preset isofed --data 'DIR-s{seed}' --seeds 0,1,2 --rounds 20 \
         --eval-rounds 5,10,20 --label pneumoniamnist-g0.8
 
 Per split it runs the project's ``oracle:fedavg`` row with the preset and ``benchmarks/reference/``'s FedAvg
-loop of the same protocol with the preset's settings (this checks the training path, not the preset).
+loop of the same task with the preset's settings (this checks the training path, not the preset).
 
 Both criteria of the check (``criterion_a``, ``criterion_b``, comment above them): (a) the 90 % t interval
 of the mean paired project-minus-reference difference inside ±2 points (two one-sided tests), (b) the widest
@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference import fedavg_classification, fedavg_multilabel, fedavg_segmentation  # noqa: E402
 
 # What the reference needs of a preset, read from the preset itself (so a preset edit reaches both sides).
-# protocol -> (reference loop, the metric compared)
+# preset -> (reference loop, the metric compared)
 REFERENCES = {"isofed": ("classification", "accuracy"), "fedmix": ("segmentation", "dice"),
               "cxr": ("multilabel", "auroc"), "fedmlp_blood": ("multilabel", "auroc")}
 LOOPS = {"classification": fedavg_classification, "segmentation": fedavg_segmentation,
@@ -64,14 +64,14 @@ CXR_BATCH_AUGMENT = [{"_target_": "fedlabels.bundle.augment.BatchRandAffine", "p
                      {"_target_": "fedlabels.bundle.augment.BatchRandAdjustContrast", "prob": 0.3, "gamma": [0.8, 1.25]}]
 
 
-def reference_settings(protocol: str) -> dict:
+def reference_settings(preset: str) -> dict:
     """The reference loop's arguments, read from the bundle config merged with the preset (so a preset or
     bundle edit reaches both sides); a setting the loop has no equivalent of stops here, naming the field."""
     from fedlabels import presets
     from fedlabels.bundle import read
 
-    p = presets.load(protocol)
-    cfg = read(p.bundle, "", protocol=protocol, class_names=["a"])
+    p = presets.load(preset)
+    cfg = read(p.bundle, "", preset=preset, class_names=["a"])
     where = f"{p.path} over {p.bundle / 'configs' / 'train.json'}"
     if p.client.get("optimizer", "adam") != "adam" or not p.client.get("reset_optimizer", False):
         raise ValueError(f"{where}: field 'federated.client': the reference loop implements a fresh Adam every "
@@ -96,7 +96,7 @@ def reference_settings(protocol: str) -> dict:
     if augment is None:
         raise ValueError(f"{where}: field 'train#random_transforms': the reference loop has no equivalent of {flips}")
     common = {"lr": p.client.get("lr", 1e-3), "batch_size": cfg["batch_size"], "epochs": p.local_epochs}
-    kind = REFERENCES[protocol][0]
+    kind = REFERENCES[preset][0]
     expected = {"classification": {("fixed", "hflip"), ("fixed", "dihedral"), ("minmax", "hflip"), ("minmax", "dihedral"),
                                    ("fixed", "none"), ("minmax", "none")},
                 "segmentation": {("minmax", "dihedral")},
@@ -114,7 +114,7 @@ def reference_settings(protocol: str) -> dict:
             **({"widen": float(widen)} if widen else {})}
 
 
-def project_cell(protocol: str, data: Path, seed: int, rounds: int, eval_rounds: list, work: Path,
+def project_cell(preset: str, data: Path, seed: int, rounds: int, eval_rounds: list, work: Path,
                  config: dict | None = None, image_size: int | None = None, widen: float | None = None,
                  log=print, method: str = "oracle:fedavg", opts: list | None = None, batch_size: int | None = None,
                  local_epochs: int | None = None) -> dict:
@@ -128,7 +128,7 @@ def project_cell(protocol: str, data: Path, seed: int, rounds: int, eval_rounds:
                            eval_rounds=",".join(map(str, eval_rounds)),
                            engine="inprocess", synth=None, batch_size=batch_size, image_size=image_size,
                            network=[f"widen_factor={widen}"] if widen else None,
-                           out=str(work), protocol=protocol)
+                           out=str(work), preset=preset)
     plan = bench.make_plan(args)
     plan.overrides = dict(config or {})  # e.g. a test switching the scaling back
     bench.prepare_data(plan)
@@ -172,22 +172,22 @@ def project_cell(protocol: str, data: Path, seed: int, rounds: int, eval_rounds:
             "validation_seconds_per_round": validating[0] / rounds, "dropped": dropped}
 
 
-def compare(protocol, data: Path, seed: int, rounds: int, eval_rounds: list, work: Path, reference_scaling=None,
+def compare(preset, data: Path, seed: int, rounds: int, eval_rounds: list, work: Path, reference_scaling=None,
             config=None, log=print, reference_run=None, image_size=None, widen=None) -> dict:
     """One split: the project's cell and the reference's, side by side, one after the other in this process
     (``reference_run``: an earlier reference result of the same split and settings, reused)."""
-    settings = reference_settings(protocol)
+    settings = reference_settings(preset)
     if reference_scaling:
         settings["scaling"] = reference_scaling
     if widen:
-        if REFERENCES[protocol][0] != "multilabel":
+        if REFERENCES[preset][0] != "multilabel":
             raise ValueError(f"--widen: only the ResNet-18 of the multi-label reference has a width option")
         settings["widen"] = widen
-    proj = project_cell(protocol, data, seed, rounds, eval_rounds, work, config=config, image_size=image_size,
+    proj = project_cell(preset, data, seed, rounds, eval_rounds, work, config=config, image_size=image_size,
                         widen=widen, log=log)
-    loop = LOOPS[REFERENCES[protocol][0]]
+    loop = LOOPS[REFERENCES[preset][0]]
     ref = reference_run or loop.run(data, rounds, set(eval_rounds), seed=seed, log=lambda m: log(m), **settings)
-    return {"protocol": protocol, "metric": REFERENCES[protocol][1], "data": str(data), "seed": seed,
+    return {"preset": preset, "metric": REFERENCES[preset][1], "data": str(data), "seed": seed,
             "rounds": rounds, "image_size": image_size, "widen": widen, "reference": settings, "project": proj,
             "reference_run": ref}
 
@@ -293,7 +293,7 @@ STRONG_AS_SECOND_FLIP = [{"_target_": "fedlabels.bundle.data.RandMirrord", "keys
                          {"_target_": "EnsureTyped", "keys": ["image"], "track_meta": False}]
 
 
-def project_settings(protocol: str, row: str, s: dict) -> dict:
+def project_settings(preset: str, row: str, s: dict) -> dict:
     """What the project's row must be given to train with the reference's settings ``s`` (semisup.CHECK):
     ``--opt`` items, the batch size, local epochs and bundle overrides. A setting the project cannot express
     stops here, naming it; so does a preset whose scaling or weak augmentation is not the reference's."""
@@ -301,10 +301,10 @@ def project_settings(protocol: str, row: str, s: dict) -> dict:
         raise ValueError(f"row {row!r}: the method references cover {sorted(METHOD_ROWS)}")
     if s["distance"] != "paper":
         raise ValueError(f"distance {s['distance']!r}: the project implements the paper's (the flattened model)")
-    bundle = reference_settings(protocol)  # the preset's scaling and weak augmentation, as the reference names them
+    bundle = reference_settings(preset)  # the preset's scaling and weak augmentation, as the reference names them
     for key in ("scaling", "augment"):
         if bundle[key] != s[key]:
-            raise ValueError(f"the {protocol} preset's {key} is {bundle[key]!r}, the reference's {s[key]!r}")
+            raise ValueError(f"the {preset} preset's {key} is {bundle[key]!r}, the reference's {s[key]!r}")
     if s["strong"] != "hflip":
         raise ValueError(f"strong view {s['strong']!r}: the check has the project's equivalent of 'hflip' only")
     client = {"optimizer": s["optimizer"], "lr": s["lr"], "weight_decay": s["weight_decay"],
@@ -324,17 +324,17 @@ def project_settings(protocol: str, row: str, s: dict) -> dict:
             "config": {"train#strong_random_transforms": STRONG_AS_SECOND_FLIP} if row != "oracle:wfedavg" else {}}
 
 
-def compare_methods(protocol: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
+def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
                     log=print, settings: dict | None = None) -> dict:
     """One split, one row: the project twice (training seeds ``split`` and ``split + SEED_OFFSET``) and the
     method reference once (seed ``split``), one after the other in this process."""
     from reference import semisup
 
     s = {**semisup.CHECK, **(settings or {})}
-    proj = project_settings(protocol, row, s)
+    proj = project_settings(preset, row, s)
     runs = []
     for seed in (split, split + SEED_OFFSET):
-        run = project_cell(protocol, data, seed, rounds, eval_rounds, work / f"seed{seed}", config=proj["config"],
+        run = project_cell(preset, data, seed, rounds, eval_rounds, work / f"seed{seed}", config=proj["config"],
                            log=log, method=row, opts=proj["opts"], batch_size=proj["batch_size"],
                            local_epochs=proj["local_epochs"])
         run["metrics"] = {str(k): v for k, v in run["metrics"].items()}
@@ -342,7 +342,7 @@ def compare_methods(protocol: str, row: str, data: Path, split: int, rounds: int
     method, oracle = METHOD_ROWS[row]
     ref = semisup.run(data, method, rounds, set(eval_rounds), seed=split, oracle=oracle, log=log, **(settings or {}))
     ref["metrics"] = {str(k): v for k, v in ref["metrics"].items()}
-    return {"kind": "methods", "protocol": protocol, "row": row, "metric": REFERENCES[protocol][1],
+    return {"kind": "methods", "preset": preset, "row": row, "metric": REFERENCES[preset][1],
             "data": str(data), "seed": split, "rounds": rounds, "reference": s, "project_options": proj,
             "projects": runs, "reference_run": ref}
 
@@ -402,7 +402,7 @@ def _criteria_cells(cs: list, rnd, metric: str, margin: float) -> tuple:
 CRITERIA_HEAD = ("difference d, mean ± sd | 90 % interval of mean d | (a) inside ±{m} | max abs d "
                  "| max abs seed-to-seed | (b) | equivalence")
 
-# Published protocols (docs/results/*.md, benchmarks/plans/) and what this check covers of them.
+# Published plans (docs/results/*.md, benchmarks/plans/) and what this check covers of them.
 COVERAGE = [
     ("`isofed` preset, PneumoniaMNIST / BloodMNIST, every L:U and gamma (`isofed-preset`, `isofed-pretraining`)",
      "`oracle:fedavg` with the preset on PneumoniaMNIST gamma 0.8 (the 1:3 splits: two training seeds; the older "
@@ -438,11 +438,11 @@ def _fedavg_section(label, scaling, cs, tolerance) -> list:
         train_s = [p - v for p, v in zip(proj_s, val_s)]
         timing += (f"; of the project's, {np.mean(val_s):.2f} s score the received model on the sites' "
                    f"validation data, and training alone is {np.mean(train_s) / np.mean(ref_s):.2f}x the reference")
-    diagnostic = scaling != reference_settings(cs[0]["protocol"]).get("scaling", scaling)
+    diagnostic = scaling != reference_settings(cs[0]["preset"]).get("scaling", scaling)
     note = (" This section is a diagnostic, not a check: the reference scales each image by its own min and "
             "max while the project keeps the preset's scaling, so the difference is what the scaling alone "
             "does to the same loop.") if diagnostic else ""
-    lines = [f"## {label} (protocol `{cs[0]['protocol']}`, reference scaling `{scaling}`, seeds {seeds})", "",
+    lines = [f"## {label} (preset `{cs[0]['preset']}`, reference scaling `{scaling}`, seeds {seeds})", "",
              timing + ". Load average (1 min) at each cell's start and end: "
              + ", ".join(f"{c['load'][0]:.1f}-{c['load'][1]:.1f}" if c.get("load") else "not recorded" for c in cs)
              + f", on {os.cpu_count()} cores (both sides of a cell ran one after the other, under the same load)."
@@ -492,12 +492,12 @@ def _settings_text(s: dict) -> str:
             f"instead: {left}.")
 
 
-def _methods_section(label, protocol, cs_all, tolerance) -> list:
+def _methods_section(label, preset, cs_all, tolerance) -> list:
     metric = cs_all[0]["metric"]
     tol = tolerance[metric]
     splits = sorted({c["seed"] for c in cs_all})
     rows = [r for r in METHOD_ROWS if any(c["row"] == r for c in cs_all)]
-    lines = [f"## {label}: the methods against their references (protocol `{protocol}`, splits {splits})", "",
+    lines = [f"## {label}: the methods against their references (preset `{preset}`, splits {splits})", "",
              _settings_text(cs_all[0]["reference"]), "",
              f"Per split the project ran twice (training seeds s and s + {SEED_OFFSET}, columns A and B) and the "
              "reference once (seed s). d = mean(A, B) - reference per split; seed-to-seed = A - B per split. "
@@ -556,7 +556,7 @@ def table(out: Path, tolerance: dict = TOLERANCE) -> str:
     methods = {}
     for c in cells:
         if c.get("kind") == "methods":
-            methods.setdefault((c["label"], c["protocol"]), []).append(c)
+            methods.setdefault((c["label"], c["preset"]), []).append(c)
         else:
             fedavg.setdefault((c["label"], c["reference"].get("scaling", "minmax")), []).append(c)
     lines = ["# The project against independent plain-PyTorch references", "",
@@ -578,20 +578,20 @@ def table(out: Path, tolerance: dict = TOLERANCE) -> str:
              "is 2.92 sd / sqrt(3) = 1.69 sd of d, so (a) needs a per-split sd of d well under 1.2 points; (b) "
              "compares two maxima of 3 values each and can go either way by chance when both sides are the same "
              "method.", ""]
-    for (label, protocol), cs in sorted(methods.items()):
-        lines += _methods_section(label, protocol, cs, tolerance)
+    for (label, preset), cs in sorted(methods.items()):
+        lines += _methods_section(label, preset, cs, tolerance)
     for (label, scaling), cs in sorted(fedavg.items()):
         lines += _fedavg_section(label, scaling, cs, tolerance)
     lines += ["## What the check does not cover", "",
-              "Published protocols (`benchmarks/plans/`, `docs/results/`) and what the sections above check of them:",
-              "", "| protocol | checked |", "|---|---|"]
+              "Published plans (`benchmarks/plans/`, `docs/results/`) and what the sections above check of them:",
+              "", "| plan | checked |", "|---|---|"]
     lines += [f"| {p} | {what} |" for p, what in COVERAGE]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--protocol", required=True, choices=sorted(REFERENCES))
+    ap.add_argument("--preset", required=True, choices=sorted(REFERENCES))
     ap.add_argument("--data", required=True, help="prepared scenario folder with {seed} in it (one split per seed)")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rounds", type=int, required=True)
@@ -622,7 +622,7 @@ def main(argv=None) -> None:
         return main_methods(args)
     config = None
     if args.per_case_augmentation:
-        if REFERENCES[args.protocol][0] != "multilabel":
+        if REFERENCES[args.preset][0] != "multilabel":
             ap.error("--per-case-augmentation: only the chest X-ray bundles augment per batch")
         config = {"train#random_transforms": CXR_AUGMENT, "train#batch_transforms": []}
     out = Path(args.out)
@@ -637,11 +637,11 @@ def main(argv=None) -> None:
         t0 = time.time()
         data = Path(args.data.replace("{seed}", str(seed)))
         load_before = os.getloadavg()[0]
-        result = compare(args.protocol, data, seed, args.rounds, eval_rounds, out / "work" / tag,
+        result = compare(args.preset, data, seed, args.rounds, eval_rounds, out / "work" / tag,
                          reference_scaling=args.reference_scaling, image_size=args.image_size, widen=args.widen,
                          config=config, log=lambda m: print(m, flush=True))
         if args.two_seeds:  # the project again on the same split with another training seed: its own spread
-            again = project_cell(args.protocol, data, seed + SEED_OFFSET, args.rounds, eval_rounds,
+            again = project_cell(args.preset, data, seed + SEED_OFFSET, args.rounds, eval_rounds,
                                  out / "work" / tag / "second-seed", config=config, image_size=args.image_size,
                                  widen=args.widen, log=lambda m: print(m, flush=True))
             result["projects"] = [{**run, "metrics": {str(k): v for k, v in run["metrics"].items()},
@@ -669,8 +669,8 @@ def _splits(args) -> tuple:
 
 def main_methods(args) -> None:
     """``--rows``: one cell per (row, split), resumable, one after the other."""
-    if REFERENCES[args.protocol][0] != "classification":
-        raise SystemExit(f"--rows: the method references are of the classification protocols, not {args.protocol}")
+    if REFERENCES[args.preset][0] != "classification":
+        raise SystemExit(f"--rows: the method references are of the classification tasks' presets, not {args.preset}")
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [r for r in rows if r not in METHOD_ROWS]
     if unknown:
@@ -686,7 +686,7 @@ def main_methods(args) -> None:
                 continue
             t0 = time.time()
             load_before = os.getloadavg()[0]
-            result = compare_methods(args.protocol, row, Path(args.data.replace("{seed}", str(seed))), seed,
+            result = compare_methods(args.preset, row, Path(args.data.replace("{seed}", str(seed))), seed,
                                      args.rounds, eval_rounds, out / "work" / f"{args.label}-{row.replace(':', '_')}",
                                      log=lambda m: print(m, flush=True))
             result["label"] = args.label

@@ -57,7 +57,7 @@ COVERED_BY = {"fedpsl_tdma_cxr": ("fedpsl_cxr",), "fedpsl_tadl_cxr": ("fedpsl_cx
               "fedavg_full_lesion": ("fedavg_lesion", "fedadaptagg_lesion")}
 # the jobs with a smoke run of their own in tests/simulator/test_flare_runs.py (cxr) and their semi-supervised
 # runs, by name: (client options, [(stage, sites)])
-CXR = sorted(name for name, spec in JOBS.items() if spec.family == "cxr" and name not in COVERED_BY)
+CXR = sorted(name for name, spec in JOBS.items() if spec.run.data.family == "cxr" and name not in COVERED_BY)
 SEMI_SUPERVISED = {"isofed_medmnist": ({}, [("unlabeled", ["site-2"]), ("labeled", ["site-1"])]),
                    "rscfed_medmnist": ({"subset_size": 2, "subsets": 2}, [("subsets", ["site-1", "site-2"])]),
                    "wfedavg_medmnist": ({}, [("train", ["site-1", "site-2"])])}
@@ -70,7 +70,7 @@ FEDMIX_RUNS = ("fedmix_lesion", "fedst_lesion", "fedadaptagg_lesion")
 # network override); FedPSL the privacy option (tests/simulator/test_privacy_runs.py reads the same run).
 SMOKE_CHANGES = {
     "fedmlp_cxr": {"server": {"warmup_rounds": 1, "tau0": 0.3, "tau1": 0.3, "adaptive_threshold": False}},
-    "fedprox_cxr": {"client": {**JOBS["fedprox_cxr"].client, "lr": 5e-05}, "network": {"hidden": 16}},
+    "fedprox_cxr": {"client": {**JOBS["fedprox_cxr"].run.client, "lr": 5e-05}, "network": {"hidden": 16}},
     "fedpsl_cxr": {"privacy": dict(PRIVACY)},
 }
 
@@ -78,7 +78,7 @@ SMOKE_CHANGES = {
 def job(spec, **changes):
     """The job ``spec`` (a ``JobSpec`` or a job's name) with ``TINY`` and ``changes`` applied."""
     spec = JOBS[spec] if isinstance(spec, str) else spec
-    return dataclasses.replace(spec, **{**TINY, **changes})
+    return spec.replace(**{**TINY, **changes})
 
 
 def smoke(name):

@@ -54,7 +54,52 @@ def positive_int(text: str) -> int:
 
 class ConfigError(ValueError):
     def __init__(self, path, field_name, message):
+        self.field = field_name
         super().__init__(f"{path}: field {field_name!r}: {message}")
+
+
+@dataclass
+class DataSpec:
+    """What a run trains on, beyond the site's own scenario (a site with ``FEDLABELS_DATA`` trains on that;
+    one without generates the embedded ``family`` with ``synth``'s options)."""
+
+    family: str = "cxr"                          # the embedded scenario (fedlabels.data.synthetic.FAMILIES)
+    synth: dict = field(default_factory=dict)    # the embedded scenario's options (cases, size, ...)
+    batch_size: int | None = None                # None: the bundle's
+    oracle: bool = False                         # sites train on their full labels (oracle.json): an upper bound
+    image_size: int | None = None                # the bundle's input size (None: the bundle's own)
+    preset: str | None = None                    # a paper's preset merged over the bundle's config (fedlabels.presets)
+
+    def to_json(self) -> dict:
+        # the optional entries only when set: configurations written without them stay as they were
+        return {"family": self.family, "synth": dict(self.synth), "batch_size": self.batch_size,
+                **({"oracle": True} if self.oracle else {}),
+                **({"image_size": self.image_size} if self.image_size is not None else {}),
+                **({"preset": self.preset} if self.preset else {})}
+
+    @classmethod
+    def from_json(cls, doc, path="<config>") -> "DataSpec":
+        if isinstance(doc, cls):
+            return doc
+        if not isinstance(doc, dict):
+            raise ConfigError(path, "data", f"expected an object, got {type(doc).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in doc:
+            if key not in known:
+                raise ConfigError(path, f"data.{key}", f"unknown; a run's data section holds {known}")
+        checks = {"family": (str,), "synth": (dict,), "oracle": (bool,)}
+        for key, types in checks.items():
+            if key in doc and not isinstance(doc[key], types):
+                raise ConfigError(path, f"data.{key}", f"expected {types[0].__name__}, got {type(doc[key]).__name__}")
+        for key, least, unit in (("batch_size", 1, "cases"), ("image_size", 8, "pixels")):  # never a word a site passes on
+            value = doc.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ConfigError(path, f"data.{key}", f"expected an integer >= {least} ({unit}) or null, "
+                                                       f"not {str(value)[:60]!r}")
+        preset = doc.get("preset")
+        if preset is not None and (not isinstance(preset, str) or not preset):
+            raise ConfigError(path, "data.preset", f"expected a preset name (fedlabels.presets), not {str(preset)[:60]!r}")
+        return cls(**doc)
 
 
 @dataclass
@@ -64,8 +109,7 @@ class RunConfig:
     client: dict = field(default_factory=dict)   # the client rule's named options
     server: dict = field(default_factory=dict)   # the server rule's named options
     network: dict = field(default_factory=dict)  # the bundle's network_def overrides
-    data: dict = field(default_factory=dict)     # family, synth (embedded-data options), batch_size, oracle,
-    #                                              image_size (the bundle's input size; default: the bundle's)
+    data: DataSpec = field(default_factory=DataSpec)  # what the sites train on (a dict is read as one)
     seed: int = 0
     key_metric: str | None = None                # None: the task's default (KEY_METRICS)
     min_sites: int = 1
@@ -74,8 +118,11 @@ class RunConfig:
     privacy: dict = field(default_factory=dict)  # noise_multiplier, clip, delta: the label summary leaves noised
     site_timeout: int | None = None              # seconds a site has to answer a task before it is left out
 
+    def __post_init__(self):
+        self.data = DataSpec.from_json(self.data)
+
     def to_json(self) -> dict:
-        doc = dataclasses.asdict(self)
+        doc = {**dataclasses.asdict(self), "data": self.data.to_json()}
         if not doc["privacy"]:
             del doc["privacy"]  # off is left out: configurations written before the option stay as they were
         if doc["site_timeout"] is None:
@@ -108,7 +155,7 @@ class RunConfig:
             raise ConfigError(path, unknown[0], f"unknown field; fields are {sorted(known)}")
         if "method" not in doc:
             raise ConfigError(path, "method", "missing")
-        types = {"method": str, "bundle": str, "client": dict, "server": dict, "network": dict, "data": dict,
+        types = {"method": str, "bundle": str, "client": dict, "server": dict, "network": dict,
                  "seed": int, "min_sites": int, "faults": list, "transfer": str, "privacy": dict}
         for name, typ in types.items():
             if name in doc and not isinstance(doc[name], typ) or isinstance(doc.get(name), bool) and typ is int:
@@ -119,7 +166,7 @@ class RunConfig:
                               f"expected an integer (seconds) or null, got {type(timeout).__name__}")
         if doc.get("key_metric") is not None and not isinstance(doc["key_metric"], str):
             raise ConfigError(path, "key_metric", "expected a string or null")
-        cfg = cls(**doc)
+        cfg = cls(**{**doc, "data": DataSpec.from_json(doc.get("data", {}), path)})
         cfg._path = str(path)
         return cfg
 
@@ -145,12 +192,7 @@ class RunConfig:
             raise ConfigError(path, "min_sites", "must be >= 1")
         if self.site_timeout is not None and self.site_timeout < 1:
             raise ConfigError(path, "site_timeout", "must be >= 1 (seconds a site has to answer a task)")
-        size = self.data.get("image_size")
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 8):
-            raise ConfigError(path, "data.image_size", f"expected an integer >= 8 (pixels), not {size!r}")
-        protocol = self.data.get("protocol")
-        if protocol is not None and (not isinstance(protocol, str) or not protocol):
-            raise ConfigError(path, "data.protocol", f"expected a preset name (fedlabels.presets), not {protocol!r}")
+        DataSpec.from_json(dataclasses.asdict(self.data), path)  # set in code after loading: checked again
         if self.transfer not in TRANSFERS:
             raise ConfigError(path, "transfer", f"must be one of {TRANSFERS}, not {self.transfer!r}")
         if self.privacy:
@@ -165,7 +207,7 @@ class RunConfig:
         return self.key_metric or KEY_METRICS[task]
 
     def bundle_config(self) -> dict:
-        """Overrides of the bundle's config this run trains with (``protocol``: a preset's override file,
+        """Overrides of the bundle's config this run trains with (``preset``: a preset's override file,
         ``image_size``)."""
-        size, protocol = self.data.get("image_size"), self.data.get("protocol")
-        return {**({"protocol": protocol} if protocol else {}), **({} if size is None else {"image_size": int(size)})}
+        size, preset = self.data.image_size, self.data.preset
+        return {**({"preset": preset} if preset else {}), **({} if size is None else {"image_size": int(size)})}

@@ -1,9 +1,9 @@
 """Each paper's protocol as a named preset: one MONAI config override file per bundle.
 
-A preset is ``bundles/<bundle>/configs/protocols/<name>.json``, merged over the
+A preset is ``bundles/<bundle>/configs/presets/<name>.json``, merged over the
 bundle's ``configs/train.json`` the way MONAI merges config files (keys with
 ``#`` reach into nested entries), so ``python -m monai.bundle run --config_file
-"['configs/train.json','configs/protocols/isofed.json']"`` trains with it too.
+"['configs/train.json','configs/presets/isofed.json']"`` trains with it too.
 Besides the bundle keys (input size and intensity scaling, augmentations,
 network, batch size) it holds a ``federated`` section (rounds, local epochs,
 the client's optimizer and whether it is re-created every round; ``options``:
@@ -42,8 +42,8 @@ class Preset:
     def rule_options(self, method) -> dict:
         """The options this preset gives a registered method (``fedlabels.methods.Method``): the client
         settings and the local epochs to its client rule, each method option to the side of the rule that
-        takes it (a supervised row has no ``lr_unlabeled``). ``fedlabels bench --protocol`` and a job with a
-        ``protocol`` both start from these; their own options override them."""
+        takes it (a supervised row has no ``lr_unlabeled``). ``fedlabels bench --preset`` and a job with a
+        ``preset`` both start from these; their own options override them."""
         client, server = {**self.client, "epochs": self.local_epochs}, {}
         for key, value in self.options.items():
             if key in method.client_option_names():
@@ -54,7 +54,7 @@ class Preset:
 
 
 def preset_file(bundle, name: str) -> Path:
-    return Path(bundle) / "configs" / "protocols" / f"{name}.json"
+    return Path(bundle) / "configs" / "presets" / f"{name}.json"
 
 
 def load(name: str, bundle=None) -> Preset:
@@ -63,13 +63,13 @@ def load(name: str, bundle=None) -> Preset:
 
     if bundle is None:
         if name not in PRESETS:
-            raise ValueError(f"--protocol {name!r}: unknown protocol; presets: {sorted(PRESETS)}")
+            raise ValueError(f"--preset {name!r}: unknown preset; presets: {sorted(PRESETS)}")
         bundle = PRESETS[name]
     bundle = bundle_path(bundle)
     path = preset_file(bundle, name)
     if not path.is_file():
-        have = sorted(p.stem for p in (bundle / "configs" / "protocols").glob("*.json"))
-        raise ValueError(f"--protocol {name!r}: bundle {bundle.name} has no {path.relative_to(bundle)} "
+        have = sorted(p.stem for p in (bundle / "configs" / "presets").glob("*.json"))
+        raise ValueError(f"--preset {name!r}: bundle {bundle.name} has no {path.relative_to(bundle)} "
                          f"(its presets: {have or 'none'})")
     try:
         data = json.loads(path.read_text())

@@ -28,8 +28,8 @@ def submit(fed, *args, wait=True, faults=(), name="fedavg_cxr"):
     fedlabels.flare.job.run_cli (what job.py calls), with these fault drills in its configuration."""
     argv = ["--prod", str(fed["admin"]), "-n", "2", *args]
     if faults or name != "fedavg_cxr":
-        code = ("import dataclasses, sys; from fedlabels.flare.job import JOBS, run_cli; "
-                f"run_cli(dataclasses.replace(JOBS[{name!r}], faults={list(faults)!r}), sys.argv[1:])")
+        code = ("import sys; from fedlabels.flare.job import JOBS, run_cli; "
+                f"run_cli(JOBS[{name!r}].replace(faults={list(faults)!r}), sys.argv[1:])")
         cmd = [sys.executable, "-c", code, *argv]
     else:
         cmd = [sys.executable, str(JOB), *argv]

@@ -19,7 +19,6 @@ docs/deployment.md says where an IT team sets them.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import shutil
@@ -234,13 +233,13 @@ def test_a_server_killed_at_any_point_resumes_to_the_uninterrupted_model(fed):
         assert f"[{site}] resumed its state of round 3" in site_log(fed, site, job_id)
     resumed = model_file(e)
 
-    spec = dataclasses.replace(JOBS["fedbn_cxr"], sites=2, rounds=4)
+    spec = JOBS["fedbn_cxr"].replace(sites=2, rounds=4)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each hospital (OMP_NUM_THREADS=1): the same order of sums
     try:
-        straight = federate("fedbn", setups(REPO / "bundles" / spec.bundle, fed["full"], seed=spec.seed,
-                                            config=spec.config().bundle_config() or None),
-                            4, seed=spec.seed, client_options=spec.client, log=None)["last"]
+        straight = federate("fedbn", setups(REPO / "bundles" / spec.run.bundle, fed["full"], seed=spec.run.seed,
+                                            config=spec.run.bundle_config() or None),
+                            4, seed=spec.run.seed, client_options=spec.run.client, log=None)["last"]
     finally:
         torch.set_num_threads(threads)
     assert set(resumed) == set(straight)
@@ -269,7 +268,7 @@ def test_a_server_killed_at_any_point_resumes_to_the_uninterrupted_model(fed):
                 and "joins from the global model" in site_log(fed, "site-2", job_id))
         last = json.loads((f / "metrics.jsonl").read_text().splitlines()[-1])
         assert sorted(last["sites"]) == list(SITES)  # both trained the last round
-        bn = set(batchnorm_keys(network(REPO / "bundles" / spec.bundle)))
+        bn = set(batchnorm_keys(network(REPO / "bundles" / spec.run.bundle)))
         for site, has_bn in (("site-1", True), ("site-2", False)):
             lines = (fed["kits"][site] / "fedlabels_sent" / f"{site}.site.jsonl").read_text().splitlines()
             trained = [e for e in map(json.loads, lines) if e["time"] > t1 and e["task"] == "train"]

@@ -170,7 +170,7 @@ def test_a_hospitals_gate_refuses_each_configuration_attack_before_round_0(fed):
     attacks = {  # name -> (change to the executor's run configuration, to its args, to the config; field)
         "expression": ({"network": {"in_channels": code}}, {}, {}, "network.in_channels"),
         "target": ({"network": {"_target_": "pathlib.Path"}}, {}, {}, "network._target_"),
-        "preset": ({"data": {"family": "cxr", "protocol": "../../../../etc/hosts"}}, {}, {}, "data.protocol"),
+        "preset": ({"data": {"family": "cxr", "preset": "../../../../etc/hosts"}}, {}, {}, "data.preset"),
         "data": ({}, {"data": str(fed["data"]["site-1"])}, {}, "data"),
         "oracle": ({"data": {"family": "cxr", "oracle": True}}, {}, {}, "data.oracle"),
         "drill": ({"faults": ["site-1:hang:0"]}, {}, {}, "faults[0]"),

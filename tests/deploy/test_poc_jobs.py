@@ -77,9 +77,11 @@ def poc(tmp_path_factory):
 
 def run_job(poc, name):
     spec = smoke(name)
-    spec = dataclasses.replace(spec, synth={**SYNTH[spec.family], **spec.synth}, **CHANGES.get(name, {}))
-    code = ("import sys; from fedlabels.flare.job import JobSpec, run_cli; "
-            f"run_cli(JobSpec(**{dataclasses.asdict(spec)!r}), sys.argv[1:])")
+    changes = {side: {**getattr(spec.run, side), **options} for side, options in CHANGES.get(name, {}).items()}
+    spec = spec.replace(synth={**SYNTH[spec.run.data.family], **spec.run.data.synth}, **changes)
+    own = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "run"}
+    code = ("import sys; from fedlabels.config import RunConfig; from fedlabels.flare.job import JobSpec, run_cli; "
+            f"run_cli(JobSpec(run=RunConfig.from_json({spec.run.to_json()!r}), **{own!r}), sys.argv[1:])")
     out = subprocess.run([sys.executable, "-c", code, "--prod", str(poc["admin"]), "-n", str(len(SITES)),
                           "--rounds", str(spec.rounds)], capture_output=True, text=True, timeout=900)
     text = out.stdout + out.stderr

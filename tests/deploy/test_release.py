@@ -144,7 +144,7 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     wheel, sdist = dist / f"fedlabels-{VERSION}-py3-none-any.whl", dist / f"fedlabels-{VERSION}.tar.gz"
     assert sorted(p.name for p in dist.iterdir()) == sorted([sdist.name, wheel.name])
     shipped = _shipped_bundle_files()
-    assert {"bundles/cxr_resnet18/configs/protocols/cxr.json", "bundles/medmnist_cnn/configs/protocols/isofed.json",
+    assert {"bundles/cxr_resnet18/configs/presets/cxr.json", "bundles/medmnist_cnn/configs/presets/isofed.json",
             "bundles/cxr_densenet121/LICENSE", "bundles/README.md"} <= shipped
     with zipfile.ZipFile(wheel) as z:
         in_wheel = set(z.namelist())

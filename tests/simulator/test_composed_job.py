@@ -47,9 +47,9 @@ def test_the_composed_job_isolates_the_unlabeled_site_and_matches_the_in_process
     assert "isolated step: ['site-4'] train first from the global model" in text
     assert "head: class-wise over the annotating sites" in text
     # the controller and the in-process loop run the same engine: the same global weights (1e-6)
-    cfg = SPEC.config()
-    setups = references.setups(REPO / "bundles" / SPEC.bundle, mixed_data, batch_size=SPEC.batch_size,
-                               seed=SPEC.seed, config=cfg.bundle_config() or None, method=SPEC.method,
+    cfg = SPEC.run
+    setups = references.setups(REPO / "bundles" / cfg.bundle, mixed_data, batch_size=cfg.data.batch_size,
+                               seed=cfg.seed, config=cfg.bundle_config() or None, method=SPEC.method,
                                network_overrides=cfg.network or None)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

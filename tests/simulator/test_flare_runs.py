@@ -56,13 +56,13 @@ def weights(run_dir, name="FL_global_model.pt"):
 def in_process(spec, data, rounds=TINY["rounds"], **setup_options):
     """The in-process engine's run of ``spec`` on one torch thread (as each simulated site), with the options
     its run configuration carries (a preset's included)."""
-    cfg = spec.config()
-    setups = references.setups(REPO / "bundles" / spec.bundle, data, batch_size=TINY["batch_size"], seed=spec.seed,
+    cfg = spec.run
+    setups = references.setups(REPO / "bundles" / cfg.bundle, data, batch_size=TINY["batch_size"], seed=cfg.seed,
                                config=cfg.bundle_config() or None, **setup_options)  # the job's preset
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return references.federate(spec.method, setups, rounds, seed=spec.seed, client_options=cfg.client,
+        return references.federate(spec.method, setups, rounds, seed=cfg.seed, client_options=cfg.client,
                                    server_options=cfg.server or None, log=None)
     finally:
         torch.set_num_threads(threads)
@@ -74,12 +74,12 @@ def rounds(run_dir):
 
 def other_task(name, changes):
     """fedavg_medmnist on the session's medmnist scenario; fedavg_lesion on its 32 px pixel + box scenario."""
-    return (("medmnist_data", None) if JOBS[name].family == "medmnist" else ("lesion_data", "bbox")), \
+    return (("medmnist_data", None) if JOBS[name].run.data.family == "medmnist" else ("lesion_data", "bbox")), \
         job(name, **{**PRODUCTION, **changes})
 
 
 def semi_supervised(name):
-    return job(name, server={**JOBS[name].server, **SEMI_SUPERVISED[name][0]}, **PRODUCTION)
+    return job(name, server={**JOBS[name].run.server, **SEMI_SUPERVISED[name][0]}, **PRODUCTION)
 
 
 # RSCFed's run has one simulator worker process for its two sites: they take turns, a new process per
@@ -123,7 +123,7 @@ def test_every_cxr_job_runs_in_the_simulator(name, job_runs, data):
     same = all(np.array_equal(last_w[k], best_w[k]) for k in last_w)
     assert same == (not received or final > max(received)), (received, final)
     # the global model reloads into the bundle's network and scores on the test split
-    metrics = evaluate_global(run_dir, REPO / "bundles" / JOBS[name].bundle, data, "last")
+    metrics = evaluate_global(run_dir, REPO / "bundles" / JOBS[name].run.bundle, data, "last")
     assert 0.0 <= metrics["auroc"] <= 1.0
 
 
@@ -147,7 +147,7 @@ def test_multiclass_and_segmentation_jobs_run_in_the_simulator(name, changes, me
     cross = json.loads((run_dir / "cross_site_eval.json").read_text())
     assert 0.0 <= cross["site-1"][metric] <= 1.0
     assert f"val_{metric}" in recs[1]["sites"]["site-1"]  # the task's key metric picks the best model
-    assert evaluate_global(run_dir, REPO / "bundles" / spec.bundle, family_data, "best")[metric] is not None
+    assert evaluate_global(run_dir, REPO / "bundles" / spec.run.bundle, family_data, "best")[metric] is not None
 
 
 @pytest.fixture(scope="module")
@@ -368,12 +368,12 @@ def test_fedbn_batch_norm_never_leaves_a_site_and_its_personal_model_carries_it(
     from fedlabels.site import evaluate, latest_state, setup_site, test_loader
 
     spec = JOBS["fedbn_cxr"]
-    bundle = REPO / "bundles" / spec.bundle
+    bundle = REPO / "bundles" / spec.run.bundle
     run_dir, _ = job_runs("fedbn_cxr")
     w = weights(run_dir)
-    net = network(bundle, spec.network)
+    net = network(bundle, spec.run.network)
     bn = set(batchnorm_keys(net))
-    torch.manual_seed(spec.seed)  # the controller's seeded initial model
+    torch.manual_seed(spec.run.seed)  # the controller's seeded initial model
     initial = {k: v.numpy() for k, v in rebuild(net).state_dict().items()}
     for site in ("site-1", "site-2"):
         record = run_dir.parents[1] / site / "fedlabels_sent" / f"{site}.jsonl"
@@ -396,7 +396,7 @@ def test_fedbn_batch_norm_never_leaves_a_site_and_its_personal_model_carries_it(
         net.load_state_dict({k: torch.as_tensor(v) for k, v in w.items()})
         global_out = net.eval()(images)
         for site in ("site-1", "site-2"):
-            st = setup_site(bundle, data, site, batch_size=TINY["batch_size"], seed=spec.seed)
+            st = setup_site(bundle, data, site, batch_size=TINY["batch_size"], seed=spec.run.seed)
             own = personal_model(w, latest_state(states / site))
             assert set(own) == set(w)
             assert all(np.array_equal(own[k].numpy(), w[k]) for k in set(w) - bn)
@@ -420,7 +420,7 @@ def test_fedbn_batch_norm_never_leaves_a_site_and_its_personal_model_carries_it(
 
     state_file = states / "site-1"  # the site's state folder: its last saved round
     mine = tmp_path / "site-1"
-    assert cli.main(["export", "--bundle", spec.bundle, "--run", str(run_dir), "--data", str(data),
+    assert cli.main(["export", "--bundle", spec.run.bundle, "--run", str(run_dir), "--data", str(data),
                      "--site-state", str(state_file), "--out", str(mine)]) == 0
     exported = torch.load(mine / "models" / "model.pt", weights_only=True)
     own = personal_model(w, latest_state(state_file))
@@ -431,7 +431,7 @@ def test_fedbn_batch_norm_never_leaves_a_site_and_its_personal_model_carries_it(
     assert meta["provenance"]["checkpoint"].endswith("/FL_global_model.pt")
     assert meta["training"]["validation_sites"] == ["site-1"]
     capsys.readouterr()
-    code = cli.main(["export", "--bundle", spec.bundle, "--run", str(run_dir), "--out", str(tmp_path / "global")])
+    code = cli.main(["export", "--bundle", spec.run.bundle, "--run", str(run_dir), "--out", str(tmp_path / "global")])
     stderr = capsys.readouterr().err
     assert code == 2 and "--site-state" in stderr and len(stderr.splitlines()) == 1
     assert not (tmp_path / "global").exists()

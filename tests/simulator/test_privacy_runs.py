@@ -24,7 +24,7 @@ def test_the_server_receives_the_noised_summary_in_every_message(sim_run, cxr_da
     shows the same noised counts and report in the handshake and in both training updates;
     the server logs each site's (epsilon, delta) once."""
     spec = smoke("fedpsl_cxr")
-    assert spec.privacy == OPTS and spec.sites == 2 and spec.rounds == 2
+    assert spec.run.privacy == OPTS and spec.sites == 2 and spec.rounds == 2
     run_dir, log = sim_run(spec, cxr_data)
     assert json.loads((run_dir / "app_server" / "custom" / "fedlabels.json").read_text())["privacy"] == OPTS
     sc = load_scenario(cxr_data)

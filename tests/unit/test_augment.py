@@ -82,12 +82,12 @@ def test_draws_follow_the_per_case_transforms_ranges_and_probability():
 
 
 def test_the_cxr_preset_moves_the_augmentation_to_the_batch_and_a_reseed_redraws_it(cxr_data):
-    parser = read("cxr_resnet18", cxr_data, protocol="cxr")
+    parser = read("cxr_resnet18", cxr_data, preset="cxr")
     assert [t["_target_"] for t in parser.get("train#random_transforms")] == ["EnsureTyped"]
     collate = parser.get_parsed_content("train#dataloader#collate_fn", instantiate=True)  # monai.bundle run's loader
     assert [type(t).__name__ for t in collate.transforms] == ["BatchRandAffine", "BatchRandAdjustContrast"]
     plain = setup_site("cxr_resnet18", cxr_data, "site-1", seed=0)
-    st = setup_site("cxr_resnet18", cxr_data, "site-1", seed=0, config={"protocol": "cxr"})
+    st = setup_site("cxr_resnet18", cxr_data, "site-1", seed=0, config={"preset": "cxr"})
     assert isinstance(st.train_loader.collate_fn, BatchCollate) and not isinstance(plain.train_loader.collate_fn,
                                                                                    BatchCollate)
     ctx = SiteContext(SiteProfile("site-1", "multilabel", st.classes, st.classes, "image"), st.train_loader, {},

@@ -471,8 +471,6 @@ def test_a_job_with_fewer_sites_than_its_method_needs_is_refused_before_it_runs(
     """RSCFed draws subsets of subset_size (3) distinct sites: with 2 the server stopped the job at its
     handshake, after the deployment had started (found running every shipped job in POC mode). Both
     entry points refuse it before anything is written; 3 sites, or a smaller subset_size, pass."""
-    import dataclasses
-
     from fedlabels.flare.job import JOBS, check_sites
 
     code = cli.main(["simulate", "rscfed_medmnist", "-n", "2", "-w", str(tmp_path / "sim")])
@@ -483,8 +481,8 @@ def test_a_job_with_fewer_sites_than_its_method_needs_is_refused_before_it_runs(
                           str(tmp_path / "job"), "-n", "2"], capture_output=True, text=True)
     assert out.returncode == 2 and "error: rscfed_medmnist" in out.stderr and "needs at least 3 sites, not 2" in out.stderr
     assert not (tmp_path / "sim").exists() and not (tmp_path / "job").exists()
-    check_sites(dataclasses.replace(JOBS["rscfed_medmnist"], sites=3))
-    check_sites(dataclasses.replace(JOBS["rscfed_medmnist"], sites=2, server={"subset_size": 2}))
+    check_sites(JOBS["rscfed_medmnist"].replace(sites=3))
+    check_sites(JOBS["rscfed_medmnist"].replace(sites=2, server={**JOBS["rscfed_medmnist"].run.server, "subset_size": 2}))
 
 
 def test_report_scores_the_network_the_run_trained(tmp_path, capsys):

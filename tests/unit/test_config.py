@@ -134,8 +134,11 @@ def test_the_shipped_jobs_validate(path):
 
 @pytest.mark.parametrize("size", [4, "32", True, 32.0])
 def test_image_size_must_be_a_pixel_count(size):
-    cfg = RunConfig.from_json({"method": "fedavg", "data": {"image_size": size}}, "job/fedlabels.json")
     with pytest.raises(ConfigError, match=r"job/fedlabels.json: field 'data.image_size': expected an integer >= 8"):
+        RunConfig.from_json({"method": "fedavg", "data": {"image_size": size}}, "job/fedlabels.json")
+    cfg = RunConfig("fedavg")
+    cfg.data.image_size = size  # set in code after parsing: validate checks it again
+    with pytest.raises(ConfigError, match=r"field 'data.image_size': expected an integer >= 8"):
         cfg.validate("client")
 
 

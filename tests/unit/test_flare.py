@@ -2,7 +2,6 @@
 folders (drift, configuration, filters) and the site-side refusals. The simulator runs are
 tests/simulator/test_flare_runs.py."""
 
-import dataclasses
 import filecmp
 import json
 import re
@@ -144,15 +143,15 @@ def test_every_job_runs_in_the_simulator_or_shares_the_code_of_jobs_that_do():
         method = methods.get(spec.method)
         assert method.client in {methods.get(o.method).client for o in others}, name
         assert method.server in {methods.get(o.method).server for o in others}, name
-        assert all(o.bundle == spec.bundle and o.family == spec.family for o in others), name
-        assert spec.oracle in {o.oracle for o in others}, name
+        assert all(o.run.bundle == spec.run.bundle and o.run.data.family == spec.run.data.family for o in others), name
+        assert spec.run.data.oracle in {o.run.data.oracle for o in others}, name
         assert method.uses_unlabeled in {methods.get(o.method).uses_unlabeled for o in others}, name
 
 
 def test_every_embedded_family_has_a_job():
     from fedlabels.data.synthetic import FAMILIES
 
-    assert {spec.family for spec in JOBS.values()} == set(FAMILIES) == {"cxr", "medmnist", "lesion", "mixed"}
+    assert {spec.run.data.family for spec in JOBS.values()} == set(FAMILIES) == {"cxr", "medmnist", "lesion", "mixed"}
 
 
 def test_the_loss_and_prototype_drills_are_dropped_by_the_rules_that_read_them():
@@ -212,7 +211,7 @@ def test_only_batch_norm_local_jobs_carry_the_exclude_filter_for_every_task():
         assert filters[-1][:2] == (tasks, "SentRecord"), name
         exclude = [f for f in filters if f[1] == "ExcludeVars"]
         if name == "fedbn_cxr":
-            bn = batchnorm_keys(network(bundle_path(spec.bundle), spec.network))
+            bn = batchnorm_keys(network(bundle_path(spec.run.bundle), spec.run.network))
             assert len(bn) > 100 and [(t, f, a["exclude_vars"]) for t, f, a in exclude] == [(tasks, "ExcludeVars",
                                                                                              sorted(bn))]
         else:
@@ -222,7 +221,7 @@ def test_only_batch_norm_local_jobs_carry_the_exclude_filter_for_every_task():
 
     from fedlabels.flare.job import build_job
 
-    spec = dataclasses.replace(JOBS["surgical_cxr"], client={**JOBS["surgical_cxr"].client, "bn_policy": "fedbn"})
+    spec = JOBS["surgical_cxr"].replace(client={**JOBS["surgical_cxr"].run.client, "bn_policy": "fedbn"})
     with tempfile.TemporaryDirectory() as tmp:
         build_job(spec, tmp).export_job(tmp)
         config = json.loads((Path(tmp) / spec.name / "app" / "config" / "config_fed_client.json").read_text())
@@ -245,7 +244,7 @@ def test_exclude_filter_removes_exactly_the_batch_norm_keys_from_a_result_and_th
     from fedlabels.methods.base import to_numpy
     from fedlabels.nets import batchnorm_keys
 
-    net = network(bundle_path(JOBS["fedbn_cxr"].bundle))
+    net = network(bundle_path(JOBS["fedbn_cxr"].run.bundle))
     state, bn = to_numpy(net.state_dict()), set(batchnorm_keys(net))
     (args,) = [f[2] for f in _result_filters(_client_config("fedbn_cxr")) if f[1] == "ExcludeVars"]
     ctx = FLContext()
@@ -407,13 +406,11 @@ def test_production_jobs_carry_configuration_only_and_name_only_allowed_classes(
     (nvflare counts any as custom code, which a --no-byoc hospital refuses), no MONAI expression, and only
     classes that a provisioned kit's class allow list admits (exactly ``gate.ALLOWED``); every client
     configuration but the upper bounds' (``oracle``) passes the hospital's gate."""
-    import dataclasses
-
     from fedlabels.flare.gate import ALLOWED, GateError, check_client_config
     from fedlabels.flare.job import export
 
     allowed, used = list(ALLOWED), set()
-    specs = [*JOBS.values(), dataclasses.replace(JOBS["fedbn_cxr"], name="fedbn_half", transfer="float16")]
+    specs = [*JOBS.values(), JOBS["fedbn_cxr"].replace(name="fedbn_half", transfer="float16")]
     for spec in specs:
         folder = export(spec, tmp_path, installed=True)
         files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
@@ -427,8 +424,8 @@ def test_production_jobs_carry_configuration_only_and_name_only_allowed_classes(
         configs = "".join((folder / f).read_text() for f in files if f.startswith("app/"))
         assert not re.search(r'"[$@%]', configs), spec.name  # no MONAI expression or reference travels with the job
         client = json.loads((folder / "app/config/config_fed_client.json").read_text())
-        assert client["executors"][0]["executor"]["args"]["config"] == spec.config().to_json()
-        if spec.config().data.get("oracle"):
+        assert client["executors"][0]["executor"]["args"]["config"] == spec.run.to_json()
+        if spec.run.data.oracle:
             with pytest.raises(GateError, match="data.oracle"):
                 check_client_config(client, "site-1")
         else:

@@ -28,7 +28,7 @@ SITE = "site-2"
 
 def job(**changes) -> dict:
     """The fedavg_cxr production job's run configuration, with ``changes`` merged into its sections."""
-    doc = JOBS["fedavg_cxr"].config().to_json()
+    doc = JOBS["fedavg_cxr"].run.to_json()
     for key, value in changes.items():
         if isinstance(value, dict) and isinstance(doc.get(key), dict):
             doc[key] = {**doc[key], **value}
@@ -50,8 +50,8 @@ def attacks(tmp_path: Path) -> dict:
                    "network.features[0]", None),
         "checkpoint": (job(network={"init_ckpt": "/etc/passwd"}), "", "network.init_ckpt", None),
         "mode": (job(network={"_mode_": "debug"}), "", "network._mode_", None),
-        "preset_path": (job(data={"protocol": "../../../../etc/hosts"}), "", "data.protocol", None),
-        "preset_other_bundle": (job(data={"protocol": "fedmix"}), "", "data.protocol", None),
+        "preset_path": (job(data={"preset": "../../../../etc/hosts"}), "", "data.preset", None),
+        "preset_other_bundle": (job(data={"preset": "fedmix"}), "", "data.preset", None),
         "bundle_path": (job(bundle=str(tmp_path / "evil_bundle")), "", "bundle", None),
         "bundle_unknown": (job(bundle="not_installed"), "", "bundle", None),
         "data_folder": (job(), str(tmp_path), "data", None),
@@ -79,7 +79,7 @@ def test_every_attack_is_refused_naming_its_field_and_writes_nothing(tmp_path):
 def test_the_shipped_production_jobs_pass_the_gate():
     """Every committed job but the upper bounds (oracle: every site's full labels) is what a hospital runs."""
     for name, spec in JOBS.items():
-        config = spec.config().to_json()
+        config = spec.run.to_json()
         if config["data"].get("oracle"):
             with pytest.raises(GateError, match="data.oracle"):
                 check_job(config, SITE)
@@ -88,7 +88,7 @@ def test_the_shipped_production_jobs_pass_the_gate():
     # a plain network override, a preset of the job's own bundle, a drill naming another site, a drill the
     # site allows
     check_job(job(network={"hidden": 16, "dropout": 0.1}), SITE)
-    check_job(JOBS["isofed_medmnist"].config().to_json(), SITE)
+    check_job(JOBS["isofed_medmnist"].run.to_json(), SITE)
     check_job(job(faults=["site-1:hang:0", "server:mid_round:1"]), SITE)
     check_job(job(faults=[f"{SITE}:nan:0"]), SITE, fault_drills=True)
 

@@ -27,14 +27,14 @@ def test_every_value_a_preset_sets_names_its_source(name):
     assert missing == [], f"{p.path}: no source for {missing}"
     assert raw.get("lr", p.client["lr"]) == p.client["lr"]  # the bundle's own lr agrees with the client's
     # the merged config parses and builds its transforms and network
-    parser = read(p.bundle, "", protocol=name, class_names=["a", "b"])
+    parser = read(p.bundle, "", preset=name, class_names=["a", "b"])
     parser.get_parsed_content("train#preprocessing", instantiate=True)
     parser.get_parsed_content("network_def", instantiate=True)
 
 
 def test_read_merges_the_preset_over_train_json():
     default = read("cxr_densenet121", "", class_names=["a"])
-    fedpsl = read("cxr_densenet121", "", protocol="fedpsl", class_names=["a"])
+    fedpsl = read("cxr_densenet121", "", preset="fedpsl", class_names=["a"])
     assert default["intensity"]["_target_"] == "ScaleIntensityd"
     assert fedpsl["intensity"]["_target_"] == "NormalizeIntensityd" and fedpsl["image_size"] == 224
     tf = fedpsl.get_parsed_content("train#preprocessing", instantiate=True)
@@ -44,7 +44,7 @@ def test_read_merges_the_preset_over_train_json():
 
 
 def test_isofed_preset_scales_the_fixed_0_255_range_to_minus_one_one():
-    tf = read("medmnist_cnn", "", protocol="isofed", class_names=["a"]).get_parsed_content("intensity")
+    tf = read("medmnist_cnn", "", preset="isofed", class_names=["a"]).get_parsed_content("intensity")
     out = tf({"image": torch.tensor([[[0.0, 127.5, 255.0]]])})["image"]
     assert torch.allclose(torch.as_tensor(out), torch.tensor([[[-1.0, 0.0, 1.0]]]))
     # not per image: an image spanning 100-150 keeps its place in the range
@@ -52,40 +52,40 @@ def test_isofed_preset_scales_the_fixed_0_255_range_to_minus_one_one():
     assert torch.allclose(torch.as_tensor(out), torch.tensor([[[100 / 127.5 - 1, 150 / 127.5 - 1]]]))
 
 
-def test_bench_protocol_sets_defaults_that_explicit_options_override():
+def test_bench_preset_sets_defaults_that_explicit_options_override():
     parser = cli.build_parser(flare=False)
-    base = ["bench", "--data", "d", "--methods", "fedavg,isofed", "--protocol", "isofed", "--out", "unused"]
+    base = ["bench", "--data", "d", "--methods", "fedavg,isofed", "--preset", "isofed", "--out", "unused"]
     plan = bench.make_plan(parser.parse_args(base))
     assert plan.bundle.name == "medmnist_cnn" and plan.rounds == 100 and plan.local_epochs == 1
     assert plan.options["fedavg"]["client"] == {"optimizer": "adam", "lr": 0.001, "weight_decay": 0.0,
                                                 "reset_optimizer": True, "epochs": 1}
     assert plan.floor_client == {"optimizer": "adam", "lr": 0.001, "weight_decay": 0.0, "reset_optimizer": True}
-    assert plan.config == {"protocol": "isofed"}
+    assert plan.config == {"preset": "isofed"}
     plan = bench.make_plan(parser.parse_args(base + ["--rounds", "7", "--local-epochs", "2", "--opt", "all:lr=0.01",
                                                      "--image-size", "32"]))
     assert plan.rounds == 7 and plan.options["isofed"]["client"]["epochs"] == 2
     assert plan.options["isofed"]["client"]["lr"] == 0.01 and plan.floor_client["lr"] == 0.01
-    assert plan.config == {"protocol": "isofed", "image_size": 32}
+    assert plan.config == {"preset": "isofed", "image_size": 32}
     plan.datasets[0] = "d"
-    cell = bench.cell_config(plan, bench.Cell("fedavg", 0))  # a finished cell of another protocol is not reused
-    assert cell["protocol"] == "isofed"
+    cell = bench.cell_config(plan, bench.Cell("fedavg", 0))  # a finished cell of another preset is not reused
+    assert cell["preset"] == "isofed"
 
 
-def test_bench_protocol_errors_name_the_problem(tmp_path):
+def test_bench_preset_errors_name_the_problem(tmp_path):
     parser = cli.build_parser(flare=False)
-    with pytest.raises(ValueError, match="unknown protocol"):
-        bench.make_plan(parser.parse_args(["bench", "--data", "d", "--methods", "fedavg", "--protocol", "nope",
+    with pytest.raises(ValueError, match="unknown preset"):
+        bench.make_plan(parser.parse_args(["bench", "--data", "d", "--methods", "fedavg", "--preset", "nope",
                                            "--out", "u"]))
-    with pytest.raises(ValueError, match="has no configs/protocols/isofed.json"):
-        bench.make_plan(parser.parse_args(["bench", "--data", "d", "--methods", "fedavg", "--protocol", "isofed",
+    with pytest.raises(ValueError, match="has no configs/presets/isofed.json"):
+        bench.make_plan(parser.parse_args(["bench", "--data", "d", "--methods", "fedavg", "--preset", "isofed",
                                            "--bundle", "lesion_unet", "--out", "u"]))
     with pytest.raises(ValueError, match="--bundle and --rounds are required"):
         bench.make_plan(parser.parse_args(["bench", "--data", "d", "--methods", "fedavg", "--out", "u"]))
     # a malformed preset file: one error naming the file and the field
     bundle = tmp_path / "b"
-    (bundle / "configs" / "protocols").mkdir(parents=True)
+    (bundle / "configs" / "presets").mkdir(parents=True)
     (bundle / "configs" / "metadata.json").write_text("{}")
-    bad = bundle / "configs" / "protocols" / "x.json"
+    bad = bundle / "configs" / "presets" / "x.json"
     bad.write_text(json.dumps({"federated": {"rounds": 0, "local_epochs": 1}}))
     with pytest.raises(ValueError, match=r"x.json: field 'federated.rounds'"):
         presets.load("x", bundle)
@@ -94,12 +94,18 @@ def test_bench_protocol_errors_name_the_problem(tmp_path):
         presets.load("x", bundle)
 
 
-def test_run_config_carries_the_protocol_to_every_site():
-    cfg = RunConfig(method="fedavg", bundle="medmnist_cnn", data={"protocol": "isofed", "image_size": 28})
+def test_run_config_carries_the_preset_to_every_site():
+    cfg = RunConfig(method="fedavg", bundle="medmnist_cnn", data={"preset": "isofed", "image_size": 28})
     cfg.validate("client")
-    assert cfg.bundle_config() == {"protocol": "isofed", "image_size": 28}
-    with pytest.raises(ConfigError, match="data.protocol"):
-        RunConfig(method="fedavg", bundle="medmnist_cnn", data={"protocol": 3}).validate("client")
+    assert cfg.bundle_config() == {"preset": "isofed", "image_size": 28}
+    assert RunConfig.from_json(cfg.to_json()) == cfg and cfg.to_json()["data"]["preset"] == "isofed"
+    with pytest.raises(ConfigError, match="'data.preset'"):
+        RunConfig(method="fedavg", bundle="medmnist_cnn", data={"preset": 3})
+    # a name the run's data section does not have (the preset's old name among them) is refused, named
+    for doc, field in (({"protocol": "isofed"}, "data.protocol"), ({"image_size": 4}, "data.image_size"),
+                       ({"batch_size": "all"}, "data.batch_size"), ({"oracle": "yes"}, "data.oracle")):
+        with pytest.raises(ConfigError, match=f"'{field}'"):
+            RunConfig.from_json({"method": "fedavg", "data": doc}, "fedlabels.json")
 
 
 def test_rand_mirror_is_monai_rand_flip_without_metadata():
@@ -119,7 +125,7 @@ def test_rand_mirror_is_monai_rand_flip_without_metadata():
 
 def test_isofed_rscfed_preset_reaches_each_row_with_the_options_its_rules_take():
     parser = cli.build_parser(flare=False)
-    base = ["bench", "--data", "d", "--methods", "isofed,rscfed,fedavg,oracle:wfedavg", "--protocol", "isofed_rscfed",
+    base = ["bench", "--data", "d", "--methods", "isofed,rscfed,fedavg,oracle:wfedavg", "--preset", "isofed_rscfed",
             "--out", "unused"]
     plan = bench.make_plan(parser.parse_args(base))
     assert plan.rounds == 1000 and plan.local_epochs == 1
@@ -148,35 +154,32 @@ def test_isofed_rscfed_preset_reaches_each_row_with_the_options_its_rules_take()
     assert plan.options["isofed"]["server"]["warmup_rounds"] == 0 and plan.options["isofed"]["client"]["lr_unlabeled"] == 0.01
 
 
-def test_a_job_with_a_protocol_trains_with_what_bench_gives_its_rows():
+def test_a_job_with_a_preset_trains_with_what_bench_gives_its_rows():
     """A FLARE job naming a preset gets the same client settings and method options as a bench row of that
     preset; the job's own options override them."""
-    import dataclasses
-
-    from fedlabels.flare.job import JOBS
+    from fedlabels.flare.job import JOBS, job
 
     parser = cli.build_parser(flare=False)
-    plan = bench.make_plan(parser.parse_args(["bench", "--data", "d", "--methods", "isofed,rscfed", "--protocol",
+    plan = bench.make_plan(parser.parse_args(["bench", "--data", "d", "--methods", "isofed,rscfed", "--preset",
                                               "isofed_rscfed", "--out", "unused"]))
     for row in ("isofed", "rscfed"):
-        spec = dataclasses.replace(JOBS[f"{row}_medmnist"], protocol="isofed_rscfed")
-        cfg = spec.config()
+        cfg = job(f"{row}_medmnist", row, bundle="medmnist_cnn", family="medmnist", preset="isofed_rscfed").run
         assert (cfg.client, cfg.server) == (plan.options[row]["client"], plan.options[row]["server"])
         assert cfg.client["momentum"] == 0.9 and cfg.client["lr_unlabeled"] == 0.021
-    mine = dataclasses.replace(JOBS["isofed_medmnist"], protocol="isofed_rscfed", client={"lr": 0.01},
-                               server={"warmup_rounds": 0})
-    cfg = mine.config()
+        assert cfg.data.preset == "isofed_rscfed" and cfg.bundle_config() == {"preset": "isofed_rscfed"}
+    cfg = job("mine", "isofed", bundle="medmnist_cnn", family="medmnist", preset="isofed_rscfed", client={"lr": 0.01},
+              server={"warmup_rounds": 0}).run
     assert cfg.client["lr"] == 0.01 and cfg.client["momentum"] == 0.9 and cfg.server["warmup_rounds"] == 0
     # the shipped jobs name the isofed preset and set nothing of their own: its client settings are theirs
-    assert JOBS["isofed_medmnist"].config().client == {"optimizer": "adam", "lr": 0.001, "weight_decay": 0.0,
-                                                       "reset_optimizer": True, "epochs": 1}
+    assert JOBS["isofed_medmnist"].run.client == {"optimizer": "adam", "lr": 0.001, "weight_decay": 0.0,
+                                                  "reset_optimizer": True, "epochs": 1}
 
 
 def test_preset_options_are_checked_against_the_registered_rules(tmp_path):
     bundle = tmp_path / "b"
-    (bundle / "configs" / "protocols").mkdir(parents=True)
+    (bundle / "configs" / "presets").mkdir(parents=True)
     (bundle / "configs" / "metadata.json").write_text("{}")
-    bad = bundle / "configs" / "protocols" / "x.json"
+    bad = bundle / "configs" / "presets" / "x.json"
     bad.write_text(json.dumps({"federated": {"rounds": 1, "local_epochs": 1, "options": {"lr_unlabled": 0.1}}}))
     with pytest.raises(ValueError, match=r"x.json: field 'federated.options': \['lr_unlabled'\]"):
         presets.load("x", bundle)
@@ -190,7 +193,7 @@ def test_isofed_rscfed_augmentation_is_a_crop_of_the_image_enlarged_by_a_quarter
     every training view is a 28 px window of the image resized to 35 px, mirrored or not."""
     from monai.transforms import Compose, Resized
 
-    parser = read("medmnist_cnn", "", protocol="isofed_rscfed", class_names=["a", "b"])
+    parser = read("medmnist_cnn", "", preset="isofed_rscfed", class_names=["a", "b"])
     tf = Compose(parser.get_parsed_content("train#random_transforms", instantiate=True))
     x = torch.rand(3, 28, 28, generator=torch.Generator().manual_seed(0))
     big = torch.as_tensor(Resized(["image"], (35, 35), mode="bilinear", anti_aliasing=False)({"image": x})["image"])

@@ -77,9 +77,7 @@ def test_integer_buffers_stay_put_when_the_weights_travel_in_half_precision():
 
 
 def test_transfer_option_adds_nvflare_filters_both_ways(tmp_path):
-    import dataclasses
-
-    half = export(dataclasses.replace(JOBS["fedavg_cxr"], transfer="float16"), tmp_path / "half")
+    half = export(JOBS["fedavg_cxr"].replace(transfer="float16"), tmp_path / "half")
     full = export(JOBS["fedavg_cxr"], tmp_path / "full")
     paths = "nvflare.app_opt.pt.quantization.{}"
     record = "fedlabels.flare.sent.SentRecord"  # every job's last result filter: the site's audit record

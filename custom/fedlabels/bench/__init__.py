@@ -2,7 +2,7 @@
 
 ```text
 fedlabels bench --data DIR|embedded:FAMILY --bundle NAME --methods m1,m2 --seeds 0,1,2 --rounds R
-                [--protocol NAME] [--local-epochs E] [--opt METHOD:key=value ...] [--eval-rounds 10,30,100]
+                [--preset NAME] [--local-epochs E] [--opt METHOD:key=value ...] [--eval-rounds 10,30,100]
                 [--engine inprocess|flare] [--synth key=value ...] [--batch-size B]
                 [--network key=value ...] [--image-size N] --out OUT
 ```
@@ -29,8 +29,8 @@ to the method's client or server rule by name (``all:`` = every method and
 the floor, ``local:`` = the floor); an unknown name stops the run before any
 training.
 
-``--protocol NAME`` trains every row, the floor included, with a paper's
-preset (``fedlabels.presets``: the bundle's ``configs/protocols/NAME.json``):
+``--preset NAME`` trains every row, the floor included, with a paper's
+preset (``fedlabels.presets``: the bundle's ``configs/presets/NAME.json``):
 its input scaling and size, augmentations, network and batch size, and its
 optimizer, lr, weight decay, optimizer reset, local epochs and rounds as the
 defaults that ``--rounds``, ``--local-epochs``, ``--batch-size`` and ``--opt``
@@ -78,13 +78,13 @@ def add_parser(sub) -> None:
     s.add_argument("--data", required=True,
                    help="scenario folder; with '{seed}' in it, one prepared split per seed "
                         "(e.g. data/blood-seed{seed}); or embedded:cxr|medmnist|lesion (one generated split per seed)")
-    s.add_argument("--bundle", help="bundle name under bundles/ or a bundle folder (default: the --protocol's)")
-    s.add_argument("--protocol", help="a paper's preset (fedlabels.presets, e.g. isofed, isofed_rscfed, fedmix): "
+    s.add_argument("--bundle", help="bundle name under bundles/ or a bundle folder (default: the --preset's)")
+    s.add_argument("--preset", help="a paper's preset (fedlabels.presets, e.g. isofed, isofed_rscfed, fedmix): "
                                       "input scaling, augmentation, network, optimizer, batch, epochs, rounds and "
                                       "method options of every row")
     s.add_argument("--methods", required=True, help="comma-separated registered methods (fedlabels methods)")
     s.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
-    s.add_argument("--rounds", type=int, help="federated rounds R (required without --protocol)")
+    s.add_argument("--rounds", type=int, help="federated rounds R (required without --preset)")
     s.add_argument("--local-epochs", type=int, help="local epochs per round (client option epochs; default 1)")
     s.add_argument("--opt", action="append", metavar="METHOD:key=value",
                    help="a method's client or server option (routed by name; values parsed as JSON when they "

@@ -1,5 +1,6 @@
 """Training and scoring the cells of a ``fedlabels bench`` plan (one method or floor row and one seed each),
-in process or in the FLARE simulator; finished cells are kept, reused and never recomputed."""
+in process or in the FLARE simulator; finished cells are kept, reused and never recomputed. A federated cell
+trains one ``RunConfig`` (``cell_run``) on either engine and records its JSON (``run``)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def cell_config(plan: Plan, cell: Cell) -> dict:
               "batch_size": plan.batch_size, "local_epochs": plan.local_epochs,
               **({"network": plan.network} if plan.network else {}),
               **({"image_size": plan.image_size} if plan.image_size else {}),
-              **({"protocol": plan.protocol} if plan.protocol else {})}
+              **({"preset": plan.preset} if plan.preset else {})}
     if cell.site:
         sc = plan.scenarios[cell.seed]
         return {**common, "client": floor_method(sc.task), "client_options": plan.floor_client}
@@ -96,17 +97,28 @@ def _jsonable(obj):
     return obj
 
 
+def cell_run(plan: Plan, cell: Cell):
+    """A federated cell's run configuration: what both engines train, the FLARE job carries and the cell records."""
+    from .. import methods
+    from ..config import DataSpec, RunConfig
+
+    opts, method = plan.options[cell.method], base_method(cell.method)
+    data = DataSpec(family=plan.family or "cxr", synth=dict(plan.synth), batch_size=plan.batch_size,
+                    oracle=cell.method.startswith(ORACLE), image_size=plan.image_size, preset=plan.preset)
+    return RunConfig(method=method, bundle=plan.bundle.name, client=dict(opts["client"]), server=dict(opts["server"]),
+                     network=methods.get(method).network_options(plan.network), data=data, seed=cell.seed)
+
+
 def run_federated_inprocess(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict:
     """``references.federate``; the last model at each eval round and the best on site validation so far."""
 
     from .. import references
     from ..config import KEY_METRICS
 
-    data, opts = plan.datasets[cell.seed], plan.options[cell.method]
+    cfg = cell_run(plan, cell)
     key = KEY_METRICS[plan.scenarios[cell.seed].task]
-    method = base_method(cell.method)
-    setups = references.setups(plan.bundle, data, batch_size=plan.batch_size, seed=cell.seed, method=method,
-                               oracle=cell.method.startswith(ORACLE), network_overrides=plan.network or None,
+    setups = references.setups(plan.bundle, plan.datasets[cell.seed], batch_size=cfg.data.batch_size, seed=cfg.seed,
+                               method=cfg.method, oracle=cfg.data.oracle, network_overrides=cfg.network or None,
                                config=plan.config)
     captured = {}
 
@@ -115,30 +127,27 @@ def run_federated_inprocess(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict
         if r in plan.eval_rounds:
             captured[r] = {"last": _copy(weights), "best": _copy(best)}
 
-    result = references.federate(method, setups, plan.rounds, seed=cell.seed, log=log,
-                                 client_options=opts["client"], server_options=opts["server"], on_round=on_round)
+    result = references.federate(cfg.method, setups, plan.rounds, seed=cfg.seed, log=log, client_options=cfg.client,
+                                 server_options=cfg.server, on_round=on_round)
     # The final model is a best-model candidate too (validated at every site after the last round).
     captured[plan.rounds]["best"] = result["best"]
     rows = []
     for r in plan.eval_rounds:
         for model in ("last", "best"):
             rows += _rows(cell, r, model, scorer(captured[r][model]))
-    return {"rows": rows, "records": result["records"], "key_metric": key}
+    return {"rows": rows, "records": result["records"], "key_metric": key, "run": cfg.to_json()}
 
 
 def run_federated_flare(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict:
-    """The same method as a FLARE job in the simulator; its last and best global models scored."""
+    """The same run as a FLARE job in the simulator; its last and best global models scored."""
     from ..config import KEY_METRICS
     from ..run import Run
     from ..flare.simulator import simulate
     from ..flare.job import JobSpec, export
 
-    data, opts, sc = plan.datasets[cell.seed], plan.options[cell.method], plan.scenarios[cell.seed]
-    spec = JobSpec(name=f"bench_{cell_name(cell.method, cell.seed)}", method=base_method(cell.method),
-                   oracle=cell.method.startswith(ORACLE), bundle=str(plan.bundle),
-                   family=plan.family or "cxr", rounds=plan.rounds, sites=len(sc.sites), client=dict(opts["client"]),
-                   server=dict(opts["server"]), seed=cell.seed, batch_size=plan.batch_size,
-                   network=dict(plan.network), image_size=plan.image_size, protocol=plan.protocol)
+    data, sc, cfg = plan.datasets[cell.seed], plan.scenarios[cell.seed], cell_run(plan, cell)
+    spec = JobSpec(f"bench_{cell_name(cell.method, cell.seed)}", cfg, sites=len(sc.sites), rounds=plan.rounds,
+                   bundle_dir=str(plan.bundle))
     work = plan.out / "flare" / cell_name(cell.method, cell.seed)
     job_dir = export(spec, work / "jobs")
     log(f"FLARE simulator, {len(sc.sites)} sites x {plan.rounds} rounds; log: {work / 'simulator.log'}")
@@ -147,8 +156,8 @@ def run_federated_flare(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict:
     rows = []
     for model in ("last", "best"):
         rows += _rows(cell, plan.rounds, model, scorer(run.model(model)))
-    records = run.rounds
-    return {"rows": rows, "records": records, "key_metric": KEY_METRICS[sc.task], "run_dir": str(run_dir)}
+    return {"rows": rows, "records": run.rounds, "key_metric": KEY_METRICS[sc.task], "run_dir": str(run_dir),
+            "run": cfg.to_json()}
 
 
 def run_floor(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict:

@@ -104,7 +104,7 @@ class Plan:
     out: Path
     network: dict = field(default_factory=dict)    # network_def overrides of every row (e.g. widen_factor)
     image_size: int | None = None                 # the bundle's input size (None: the bundle's own)
-    protocol: str | None = None                   # a preset (fedlabels.presets) every row trains with
+    preset: str | None = None                     # a preset (fedlabels.presets) every row trains with
     overrides: dict = field(default_factory=dict)  # further bundle config overrides (analysis scripts)
     options: dict = field(default_factory=dict)   # method -> {"client": {...}, "server": {...}}
     floor_client: dict = field(default_factory=dict)
@@ -117,7 +117,7 @@ class Plan:
     @property
     def config(self) -> dict | None:
         """Bundle config overrides of every row (the preset's override file, then the input size)."""
-        out = {**({"protocol": self.protocol} if self.protocol else {}),
+        out = {**({"preset": self.preset} if self.preset else {}),
                **({"image_size": self.image_size} if self.image_size else {}), **self.overrides}
         return out or None
 
@@ -150,15 +150,15 @@ def make_plan(args) -> Plan:
     if not names:
         raise ValueError("--methods: name at least one method")
     registered = {n: methods.get(base_method(n)) for n in names}  # unknown -> ValueError naming the registered ones
-    protocol = getattr(args, "protocol", None)
+    preset_name = getattr(args, "preset", None)
     preset = None
-    if protocol:
+    if preset_name:
         from .. import presets
 
-        preset = presets.load(protocol, args.bundle)
+        preset = presets.load(preset_name, args.bundle)
         args.rounds = preset.rounds if args.rounds is None else args.rounds
     elif args.bundle is None or args.rounds is None:
-        raise ValueError("--bundle and --rounds are required without --protocol (a preset gives both)")
+        raise ValueError("--bundle and --rounds are required without --preset (a preset gives both)")
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if args.local_epochs is not None and args.local_epochs < 1:
@@ -245,7 +245,7 @@ def make_plan(args) -> Plan:
                 eval_rounds=eval_rounds, engine=args.engine, synth=synth, batch_size=args.batch_size,
                 out=Path(args.out).resolve(), options=options, floor_client=floor, family=family,
                 per_seed_split=bool(family) or "{seed}" in data, network=network, image_size=image_size,
-                protocol=protocol, reuse=reuse)
+                preset=preset_name, reuse=reuse)
 
 
 def full_summary(site) -> dict:

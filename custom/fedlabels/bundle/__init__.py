@@ -39,19 +39,19 @@ class _OnceNotice(logging.Filter):
 logging.getLogger("monai.data.nvimgcodec_pydicom_plugin").addFilter(_OnceNotice("nvImageCodec is not available"))
 warnings.filterwarnings("ignore", message="NvImgCodecPydicomReader: nvImageCodec decoder plugin did not register")
 
-def read(bundle, dataset_dir="", protocol: str | None = None, **overrides):
+def read(bundle, dataset_dir="", preset: str | None = None, **overrides):
     """The bundle's train config (``monai.bundle.ConfigParser``) with ``dataset_dir`` and overrides applied;
-    ``protocol``: a preset's override file (``configs/protocols/<protocol>.json``, ``fedlabels.presets``)
+    ``preset``: a preset's override file (``configs/presets/<preset>.json``, ``fedlabels.presets``)
     merged over it first, as ``monai.bundle run`` merges a list of config files."""
     from monai.bundle import ConfigParser
 
     bundle = bundle_path(bundle)
     parser = ConfigParser()
     files = [bundle / "configs" / "train.json"]
-    if protocol:
+    if preset:
         from ..presets import load
 
-        files.append(load(protocol, bundle).path)
+        files.append(load(preset, bundle).path)
     parser.read_config([str(f) for f in files])
     parser.update({"bundle_root": str(bundle), "dataset_dir": str(dataset_dir), **overrides})
     return parser

@@ -331,23 +331,23 @@ def export_bundle(bundle, ckpt, out, class_names=None, image_size: int | None = 
         meta = json.loads(meta_path.read_text())
         if image_size is None and trained is not None:
             image_size = trained.bundle_config().get("image_size")
-        protocol = trained.bundle_config().get("protocol") if trained is not None else None
-        if protocol:  # the run trained with a preset: inference scales and sizes its input the same way
+        preset_name = trained.bundle_config().get("preset") if trained is not None else None
+        if preset_name:  # the run trained with a preset: inference scales and sizes its input the same way
             from ..presets import load as load_preset
 
-            preset = json.loads(load_preset(protocol, bundle).path.read_text())
+            preset = json.loads(load_preset(preset_name, bundle).path.read_text())
             image_size = preset.get("image_size") if image_size is None else image_size
             if "intensity" in preset:
                 if "intensity" not in infer:
                     raise ValueError(f"{bundle}/configs/inference.json: no 'intensity' entry to carry the "
-                                     f"intensity scaling of the run's protocol {protocol!r}")
+                                     f"intensity scaling of the run's preset {preset_name!r}")
                 infer["intensity"] = preset["intensity"]
             for key, value in preset.items():  # the network the preset trained (e.g. its width)
                 if key.startswith("network_def#"):
                     name = key.split("#", 1)[1]
                     if name not in infer["network_def"]:
                         raise ValueError(f"{bundle}/configs/inference.json: network_def has no {name!r} to carry "
-                                         f"the network setting {key}={value!r} of the run's protocol {protocol!r}")
+                                         f"the network setting {key}={value!r} of the run's preset {preset_name!r}")
                     infer["network_def"][name] = value
         if class_names is None and data is not None:  # the scenario's classes, not the bundle's defaults
             from ..profile import load_scenario

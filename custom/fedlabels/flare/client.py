@@ -170,7 +170,7 @@ def data_root(args, cfg: RunConfig, here: Path | None = None) -> Path:
                          "synthetic data)")
     from ..data.synthetic import default_scenario
 
-    return default_scenario(cfg.data.get("family", "cxr"), seed=cfg.seed, **cfg.data.get("synth", {}))
+    return default_scenario(cfg.data.family, seed=cfg.seed, **cfg.data.synth)
 
 
 def prepare(cfg: RunConfig, args, site: str, here: Path | None, say=say):
@@ -179,9 +179,9 @@ def prepare(cfg: RunConfig, args, site: str, here: Path | None, say=say):
     site_privacy(cfg, here, say)
     method = methods.get(cfg.method)
     setup = setup_site(bundle_path(cfg.bundle, here), data_root(args, cfg, here), site,
-                       batch_size=cfg.data.get("batch_size"),
+                       batch_size=cfg.data.batch_size,
                        seed=cfg.seed, device=args.device, network_overrides=cfg.network, unlabeled=method.uses_unlabeled,
-                       strong_view=method.strong_view, oracle=bool(cfg.data.get("oracle")),
+                       strong_view=method.strong_view, oracle=cfg.data.oracle,
                        config=cfg.bundle_config())
     if setup.task not in method.tasks:
         raise ValueError(f"method {method.name!r} handles {method.tasks}, not the scenario's task {setup.task!r}")

@@ -8,7 +8,7 @@ a checkpoint path is unpickled. So the site accepts only what a fedlabels job ne
 * ``bundle``: the name of an installed bundle, never a path;
 * ``network``: overrides of the network's own arguments (``NETWORK_KEYS``) with numbers, booleans or plain
   words; ``_target_`` only as one of the installed networks (``fedlabels.nets.<Class>``); no checkpoint;
-* ``data``: the keys a run uses (``DATA_KEYS``); ``protocol`` a preset of the installed bundle, by name;
+* ``data``: the keys a run uses (``fedlabels.config.DataSpec``); ``preset`` a preset of the installed bundle, by name;
   no ``oracle`` (it trains on labels the hospital does not annotate); no ``data`` executor argument (the
   hospital's scenario folder is its own ``FEDLABELS_DATA``);
 * ``client`` / ``server`` options: plain values (the method checks their names and ranges);
@@ -47,7 +47,6 @@ ALLOWED = ("fedlabels.flare.controller.FedLabelsController", EXECUTOR, "fedlabel
 NETWORK_KEYS = ("spatial_dims", "in_channels", "out_channels", "hidden", "dropout", "widen_factor", "features",
                 "num_groups", "output")
 NETWORK_TARGET = re.compile(r"fedlabels\.nets\.[A-Z][A-Za-z0-9]*")
-DATA_KEYS = ("family", "synth", "batch_size", "image_size", "protocol", "oracle")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_+.-]*")  # a plain word: no $, @ or % (MONAI evaluates those), no path
 
@@ -104,8 +103,8 @@ def check_job(config, site: str, data: str = "", fault_drills: bool = False) -> 
 
     try:
         cfg = RunConfig.from_json(dict(config), "job")
-    except ConfigError as e:
-        raise GateError("config", str(e)) from None
+    except ConfigError as e:  # a data entry by its own name (the data section is where a job names what to train on)
+        raise GateError(e.field if e.field.startswith("data.") else "config", str(e)) from None
     bundle = installed_bundle(cfg.bundle)
     _plain(cfg.method, "method")
     for key, value in cfg.network.items():
@@ -117,27 +116,18 @@ def check_job(config, site: str, data: str = "", fault_drills: bool = False) -> 
         if key not in NETWORK_KEYS:
             raise GateError(f"network.{key}", f"not a network argument a job may set ({list(NETWORK_KEYS)})")
         _plain(value, f"network.{key}")
-    for key, value in cfg.data.items():
-        if key not in DATA_KEYS:
-            raise GateError(f"data.{key}", f"unknown; a run's data section holds {list(DATA_KEYS)}")
-    if cfg.data.get("oracle"):
+    data = cfg.data  # its keys and types are checked by the parser (fedlabels.config.DataSpec)
+    if data.oracle:
         raise GateError("data.oracle", "trains on labels the hospital does not annotate (an upper bound for "
                                        "benchmarks, never a hospital's run)")
-    synth = cfg.data.get("synth") or {}
-    if not isinstance(synth, dict):
-        raise GateError("data.synth", "not a mapping")
-    for key, value in synth.items():
+    for key, value in data.synth.items():
         _plain(value, f"data.synth.{key}", words=False)
-    _plain(cfg.data.get("family"), "data.family")
-    for key in ("batch_size", "image_size"):  # sizes: whole numbers, never a word the site would pass on
-        value = cfg.data.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise GateError(f"data.{key}", f"{str(value)[:60]!r} is not a positive integer")
-    protocol = cfg.data.get("protocol")
-    if protocol is not None:
-        if not isinstance(protocol, str) or not NAME.fullmatch(protocol) \
-                or not (bundle / "configs" / "protocols" / f"{protocol}.json").is_file():
-            raise GateError("data.protocol", f"{str(protocol)[:60]!r} is not a preset of the installed bundle "
+    _plain(data.family, "data.family")
+    preset = data.preset
+    if preset is not None:
+        if not isinstance(preset, str) or not NAME.fullmatch(preset) \
+                or not (bundle / "configs" / "presets" / f"{preset}.json").is_file():
+            raise GateError("data.preset", f"{str(preset)[:60]!r} is not a preset of the installed bundle "
                                              f"{bundle.name}")
     for side in ("client", "server"):
         for key, value in getattr(cfg, side).items():

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 from nvflare.app_common.executors.client_api_executor import ClientAPIExecutor
@@ -28,7 +29,7 @@ from nvflare.job_config.api import FedJob
 from nvflare.job_config.defs import FilterType
 
 from .. import methods
-from ..config import DEFAULT_SITE_TIMEOUT, FILE, TRANSFERS, RunConfig
+from ..config import DEFAULT_SITE_TIMEOUT, FILE, TRANSFERS, DataSpec, RunConfig
 from ..bundle import bundle_path, network
 from ..methods.base import local_keys
 from .controller import TASKS, FedLabelsController
@@ -37,99 +38,105 @@ from .sent import SentRecord
 SHIM = Path(__file__).with_name("client_script.py")
 
 
-@dataclass
+@dataclass(frozen=True)
 class JobSpec:
-    """Everything that distinguishes one job from another."""
+    """A job: its name, the run it trains (``RunConfig``: method, options, bundle, data), how many sites and
+    rounds, and how the simulator runs its sites."""
 
     name: str
-    method: str
-    bundle: str = "cxr_densenet121"
-    family: str = "cxr"
-    rounds: int = 20
+    run: RunConfig
     sites: int = 4
-    client: dict = field(default_factory=dict)  # the client rule's named options
-    server: dict = field(default_factory=dict)  # the server rule's named options
-    synth: dict = field(default_factory=dict)  # embedded-data options (cases, size, ...)
-    network: dict = field(default_factory=dict)  # network_def overrides (e.g. hidden)
-    seed: int = 0
-    batch_size: int | None = None
-    image_size: int | None = None  # the bundle's input size (None: the bundle's own)
-    protocol: str | None = None  # a preset's override file merged over the bundle's config (fedlabels.presets)
-    oracle: bool = False  # sites train on their full labels (oracle.json): an upper-bound run
-    key_metric: str | None = None  # None: the task's default (fedlabels.config.KEY_METRICS)
-    min_sites: int = 1
-    resume_from: str = ""
-    external_process: bool = False
-    faults: list = field(default_factory=list)  # fault drills, "SITE:KIND:ROUND" (see client.py)
-    transfer: str = "float32"  # "float16": weights quantized both ways by nvflare's filters
-    privacy: dict = field(default_factory=dict)  # noised label summaries (fedlabels.privacy); empty = off
-    site_timeout: int | None = None  # seconds a site has to answer a task (None: fedlabels.config's default)
+    rounds: int = 20
+    resume_from: str = ""           # a previous run's server folder: continue from its last round
+    external_process: bool = False  # the client script in a process of its own (the simulator form only)
+    bundle_dir: str = ""            # the bundle folder the simulator form carries ("": the run's bundle by name)
 
-    def config(self) -> RunConfig:
-        """The run configuration; with a ``protocol``, the preset's client settings and method options come
-        first and the job's own ``client``/``server`` options override them (as in ``fedlabels bench``)."""
-        given = {"client": {}, "server": {}}
-        if self.protocol:
-            from ..presets import load
+    @property
+    def method(self) -> str:
+        return self.run.method
 
-            given = load(self.protocol, self.bundle).rule_options(methods.get(self.method))
-        return RunConfig(method=self.method, bundle=Path(self.bundle).name, client={**given["client"], **self.client},
-                         server={**given["server"], **self.server}, network=methods.get(self.method).network_options(self.network),
-                         data={"family": self.family, "synth": dict(self.synth), "batch_size": self.batch_size,
-                               **({"oracle": True} if self.oracle else {}),
-                               **({"image_size": self.image_size} if self.image_size else {}),
-                               **({"protocol": self.protocol} if self.protocol else {})},
-                         seed=self.seed, key_metric=self.key_metric, min_sites=self.min_sites, faults=list(self.faults),
-                         transfer=self.transfer, privacy=dict(self.privacy), site_timeout=self.site_timeout)
+    def replace(self, **changes) -> "JobSpec":
+        """A copy with ``changes``, each to the job's, the run's or its data section's field of that name
+        (a preset's settings are merged once, by ``job``: name a preset there, not here)."""
+        own = {f.name for f in dataclasses.fields(self)} - {"run"}
+        data_fields = {f.name for f in dataclasses.fields(DataSpec)} - {"preset"}
+        run_fields = {f.name for f in dataclasses.fields(RunConfig)} - {"data"}
+        unknown = sorted(set(changes) - own - data_fields - run_fields)
+        if unknown:
+            raise ValueError(f"JobSpec.replace: no field {unknown} (the job's: {sorted(own)}, the run's: "
+                             f"{sorted(run_fields)}, its data's: {sorted(data_fields)})")
+        data = dataclasses.replace(self.run.data, **{k: v for k, v in changes.items() if k in data_fields})
+        run = dataclasses.replace(self.run, data=data, **{k: v for k, v in changes.items() if k in run_fields})
+        return dataclasses.replace(self, run=run, **{k: v for k, v in changes.items() if k in own})
+
+
+def job(name: str, method: str, *, sites: int = 4, rounds: int = 20, preset: str | None = None,
+        family: str = "cxr", synth: dict | None = None, batch_size: int | None = None, oracle: bool = False,
+        image_size: int | None = None, client: dict | None = None, server: dict | None = None,
+        network: dict | None = None, bundle: str = "cxr_densenet121", **run) -> JobSpec:
+    """A job of the tables below. With a ``preset``, the preset's client settings and method options come first
+    and the job's own ``client``/``server`` options override them (as ``fedlabels bench --preset`` gives its rows);
+    ``run``: the run configuration's other fields (seed, key_metric, min_sites, faults, transfer, privacy, ...)."""
+    given = {"client": {}, "server": {}}
+    if preset:
+        from ..presets import load
+
+        given = load(preset, bundle).rule_options(methods.get(method))
+    data = DataSpec(family=family, synth=dict(synth or {}), batch_size=batch_size, oracle=oracle,
+                    image_size=image_size, preset=preset)
+    return JobSpec(name, RunConfig(method=method, bundle=Path(bundle).name, client={**given["client"], **(client or {})},
+                                   server={**given["server"], **(server or {})},
+                                   network=methods.get(method).network_options(network or {}), data=data, **run),
+                   sites=sites, rounds=rounds, bundle_dir=str(bundle) if Path(bundle).name != str(bundle) else "")
 
 
 # One job per federated method on the embedded cxr scenario (DenseNet121, 64 px).
 CXR_TRAINING = {"lr": 1e-3, "epochs": 1}
 CXR_JOBS = [
-    JobSpec("fedavg_cxr", "fedavg", client=dict(CXR_TRAINING)),
-    JobSpec("fedavg_pl_cxr", "fedavg_pl", client=dict(CXR_TRAINING)),
-    JobSpec("fedprox_cxr", "fedprox", client={**CXR_TRAINING, "mu": 0.001}),
-    JobSpec("fedbn_cxr", "fedbn", client=dict(CXR_TRAINING)),
-    JobSpec("surgical_cxr", "surgical", client={**CXR_TRAINING, "warmup_epochs": 3, "warmup_lr": 5e-3}),
-    JobSpec("fedpsl_cxr", "fedpsl", client=dict(CXR_TRAINING)),
-    JobSpec("fedpsl_tdma_cxr", "fedpsl_tdma", client=dict(CXR_TRAINING)),
-    JobSpec("fedpsl_tadl_cxr", "fedpsl_tadl", client=dict(CXR_TRAINING)),
+    job("fedavg_cxr", "fedavg", client=dict(CXR_TRAINING)),
+    job("fedavg_pl_cxr", "fedavg_pl", client=dict(CXR_TRAINING)),
+    job("fedprox_cxr", "fedprox", client={**CXR_TRAINING, "mu": 0.001}),
+    job("fedbn_cxr", "fedbn", client=dict(CXR_TRAINING)),
+    job("surgical_cxr", "surgical", client={**CXR_TRAINING, "warmup_epochs": 3, "warmup_lr": 5e-3}),
+    job("fedpsl_cxr", "fedpsl", client=dict(CXR_TRAINING)),
+    job("fedpsl_tdma_cxr", "fedpsl_tdma", client=dict(CXR_TRAINING)),
+    job("fedpsl_tadl_cxr", "fedpsl_tadl", client=dict(CXR_TRAINING)),
 ]
 # Segmentation rows train with FedMix's Adam settings (lr 1e-3, weight decay 1e-4).
 LESION_TRAINING = {"lr": 1e-3, "epochs": 1, "weight_decay": 1e-4}
 # Every task through the FL path: multi-class (MedMNIST-like, site-1 labeled, the
 # other sites abstain) and segmentation (the sites' pixel-labeled cases).
 OTHER_TASK_JOBS = [
-    JobSpec("fedavg_medmnist", "fedavg", bundle="medmnist_cnn", family="medmnist", protocol="isofed"),
-    JobSpec("fedavg_lesion", "fedavg", bundle="lesion_unet", family="lesion", client=dict(LESION_TRAINING)),
+    job("fedavg_medmnist", "fedavg", bundle="medmnist_cnn", family="medmnist", preset="isofed"),
+    job("fedavg_lesion", "fedavg", bundle="lesion_unet", family="lesion", client=dict(LESION_TRAINING)),
 ]
 # Semi-supervised (IsoFed and its baselines) on the paper's CNN: the embedded medmnist
 # scenario (site-1 labeled, the others unlabeled) or a prepared `isofed` scenario via
 # FEDLABELS_DATA. wfedavg_medmnist is the upper bound: every site's full labels. They train with the
-# isofed preset (bundles/medmnist_cnn/configs/protocols/isofed.json): its scaling, flip and client settings.
+# isofed preset (bundles/medmnist_cnn/configs/presets/isofed.json): its scaling, flip and client settings.
 SEMISUP_JOBS = [
-    JobSpec("isofed_medmnist", "isofed", bundle="medmnist_cnn", family="medmnist", protocol="isofed"),
-    JobSpec("mt_wfedavg_medmnist", "mt_wfedavg", bundle="medmnist_cnn", family="medmnist", protocol="isofed"),
-    JobSpec("rscfed_medmnist", "rscfed", bundle="medmnist_cnn", family="medmnist", protocol="isofed"),
-    JobSpec("wfedavg_medmnist", "wfedavg", bundle="medmnist_cnn", family="medmnist", protocol="isofed", oracle=True),
+    job("isofed_medmnist", "isofed", bundle="medmnist_cnn", family="medmnist", preset="isofed"),
+    job("mt_wfedavg_medmnist", "mt_wfedavg", bundle="medmnist_cnn", family="medmnist", preset="isofed"),
+    job("rscfed_medmnist", "rscfed", bundle="medmnist_cnn", family="medmnist", preset="isofed"),
+    job("wfedavg_medmnist", "wfedavg", bundle="medmnist_cnn", family="medmnist", preset="isofed", oracle=True),
 ]
 # FedMLP and the pseudo-label baselines of its Tables 1-2, on the paper's ResNet-18. FedMLP warms up for a
 # quarter of the rounds (the paper: 50 of 500, with 10x more rounds to go after).
 FEDMLP_JOBS = [
-    JobSpec("fedmlp_cxr", "fedmlp", bundle="cxr_resnet18", client=dict(CXR_TRAINING), server={"warmup_rounds": 5}),
-    JobSpec("fedfixmatch_cxr", "fedfixmatch", bundle="cxr_resnet18", client=dict(CXR_TRAINING)),
-    JobSpec("fednoro_cxr", "fednoro", bundle="cxr_resnet18", client={**CXR_TRAINING, "rampup_begin": 0, "rampup_end": 19}),
+    job("fedmlp_cxr", "fedmlp", bundle="cxr_resnet18", client=dict(CXR_TRAINING), server={"warmup_rounds": 5}),
+    job("fedfixmatch_cxr", "fedfixmatch", bundle="cxr_resnet18", client=dict(CXR_TRAINING)),
+    job("fednoro_cxr", "fednoro", bundle="cxr_resnet18", client={**CXR_TRAINING, "rampup_begin": 0, "rampup_end": 19}),
 ]
 # FedMix and its baselines on the embedded lesion scenario (site-1 masks, site-2 boxes, site-3
 # image-level tags, site-4 nothing). fedavg_lesion (above) is FedAvg over the pixel-labeled sites; the *_full rows train on
 # every site's masks (oracle.json), as the paper's FedAvg and FedAdaptAgg under full supervision.
 FEDMIX_JOBS = [
-    JobSpec("fedmix_lesion", "fedmix", bundle="lesion_unet", family="lesion", client=dict(LESION_TRAINING)),
-    JobSpec("fedavg_full_lesion", "fedavg", bundle="lesion_unet", family="lesion", client=dict(LESION_TRAINING),
+    job("fedmix_lesion", "fedmix", bundle="lesion_unet", family="lesion", client=dict(LESION_TRAINING)),
+    job("fedavg_full_lesion", "fedavg", bundle="lesion_unet", family="lesion", client=dict(LESION_TRAINING),
             oracle=True),
-    JobSpec("fedadaptagg_lesion", "fedadaptagg", bundle="lesion_unet", family="lesion", client=dict(LESION_TRAINING),
+    job("fedadaptagg_lesion", "fedadaptagg", bundle="lesion_unet", family="lesion", client=dict(LESION_TRAINING),
             oracle=True),
-    JobSpec("fedst_lesion", "fedst", bundle="lesion_unet", family="lesion", client=dict(LESION_TRAINING),
+    job("fedst_lesion", "fedst", bundle="lesion_unet", family="lesion", client=dict(LESION_TRAINING),
             server={"warmup_rounds": 5}),
 ]
 # The composed method on the embedded mixed scenario (a site annotating every class, sites annotating a share of
@@ -137,7 +144,7 @@ FEDMIX_JOBS = [
 # tables (preset fedmlp_blood: ResNet-18 at width 0.25 from scratch, 32 px, Adam 1e-3). The bundle's own class
 # list is the chest X-ray one: the server's initial model gets the scenario's 8 outputs.
 MIXED_JOBS = [
-    JobSpec("composed_mixed", "composed", bundle="cxr_resnet18", family="mixed", protocol="fedmlp_blood",
+    job("composed_mixed", "composed", bundle="cxr_resnet18", family="mixed", preset="fedmlp_blood",
             network={"out_channels": 8}),
 ]
 
@@ -146,9 +153,9 @@ JOBS = {spec.name: spec for spec in CXR_JOBS + OTHER_TASK_JOBS + SEMISUP_JOBS + 
 
 def check_sites(spec: JobSpec) -> None:
     """Refuses a job with fewer sites than its server rule needs (RSCFed: ``subset_size``), before anything runs."""
-    needed = methods.get(spec.method).make_server(**spec.server).sites_needed
+    needed = methods.get(spec.method).make_server(**spec.run.server).sites_needed
     if spec.sites < needed:
-        raise ValueError(f"{spec.name} ({spec.method}, server options {spec.server or 'its defaults'}) needs at least "
+        raise ValueError(f"{spec.name} ({spec.method}, server options {spec.run.server or 'its defaults'}) needs at least "
                          f"{needed} sites, not {spec.sites}")
 
 
@@ -160,22 +167,22 @@ def build_job(spec: JobSpec, workdir, installed: bool = False) -> FedJob:
     installed bundles; the run configuration travels as the executor's and the controller's argument.
     Otherwise the job carries the client script, ``fedlabels.json`` and a copy of the bundle (the
     simulator form: a bundle edited in the job is what the sites run)."""
-    cfg = spec.config()
+    cfg = spec.run
     cfg.validate("server")
     cfg.validate("client")
     config_file = cfg.save(Path(workdir) / FILE)
-    bundle = bundle_path(spec.bundle)
+    bundle = bundle_path(spec.bundle_dir or cfg.bundle)
     net = network(bundle, cfg.network, **cfg.bundle_config())  # the server's persistor (a preset may set the network)
     # nvflare starts the job once min_sites sites are connected and aborts it when fewer stay
     # alive: the same floor a round needs (a lost hospital does not end a run that can go on).
-    job = FedJob(name=spec.name, min_clients=spec.min_sites)
+    fed = FedJob(name=spec.name, min_clients=cfg.min_sites)
     # fedlabels is pip-installed at every site and server: reference it, don't copy it.
-    job.set_app_packages(["fedlabels"])
-    job.to_server(FedLabelsController(num_clients=spec.sites, num_rounds=spec.rounds, resume_from=spec.resume_from,
+    fed.set_app_packages(["fedlabels"])
+    fed.to_server(FedLabelsController(num_clients=spec.sites, num_rounds=spec.rounds, resume_from=spec.resume_from,
                                       config=cfg.to_json() if installed else None), id="controller")
     # Sites poll for tasks every 0.2 s instead of 2 s: a round is not padded by polling.
-    job.to_server({"server": {"task_request_interval": 0.2}})
-    job.to_server(PTModel(net))
+    fed.to_server({"server": {"task_request_interval": 0.2}})
+    fed.to_server(PTModel(net))
     if installed:
         from .executor import SiteExecutor
 
@@ -186,24 +193,24 @@ def build_job(spec: JobSpec, workdir, installed: bool = False) -> FedJob:
     else:
         executor = ClientAPIExecutor(execution_mode="in_process", task_script_path=SHIM.name, task_script_args="",
                                      params_exchange_format=ExchangeFormat.NUMPY, server_expected_format=ExchangeFormat.NUMPY)
-    job.to_clients(executor, tasks=TASKS if installed else ["*"])
+    fed.to_clients(executor, tasks=TASKS if installed else ["*"])
     # Result filters at the sites run in this order: what a site keeps is removed first, then
     # the weights are quantized, and the audit record sees the reply as it leaves.
-    keep = local_keys(net, methods.get(spec.method).client_options(**spec.client).get("bn_policy", "fedavg"))
+    keep = local_keys(net, methods.get(spec.method).client_options(**cfg.client).get("bn_policy", "fedavg"))
     if keep:
-        add_local_keys_filter(job, keep)
-    if spec.transfer == "float16":
-        add_half_precision_filters(job)
-    job.to_clients(SentRecord(), filter_type=FilterType.TASK_RESULT, tasks=TASKS)
+        add_local_keys_filter(fed, keep)
+    if cfg.transfer == "float16":
+        add_half_precision_filters(fed)
+    fed.to_clients(SentRecord(), filter_type=FilterType.TASK_RESULT, tasks=TASKS)
     if installed:
-        return job
-    job.add_file_to_clients(str(SHIM))
+        return fed
+    fed.add_file_to_clients(str(SHIM))
     # One configuration file for both sides (the simulator and a POC/production deployment
     # both place it in the app's custom folder).
-    job.add_file_to_clients(str(config_file))
-    job.add_file_to_server(str(config_file))
-    job.add_file_to_clients(str(_job_copy(bundle, workdir)), dest_dir=bundle.name)
-    return job
+    fed.add_file_to_clients(str(config_file))
+    fed.add_file_to_server(str(config_file))
+    fed.add_file_to_clients(str(_job_copy(bundle, workdir)), dest_dir=bundle.name)
+    return fed
 
 
 def _job_copy(bundle: Path, workdir) -> Path:
@@ -217,22 +224,22 @@ def _job_copy(bundle: Path, workdir) -> Path:
     return copy
 
 
-def add_local_keys_filter(job: FedJob, keys: list) -> None:
+def add_local_keys_filter(fed: FedJob, keys: list) -> None:
     """The keys a site keeps (FedBN / FedBN+: its batch norm, ``methods.base.local_keys``) leave in no
     task's result: nvflare's ExcludeVars removes them from every reply's weights at the site."""
-    job.to_clients(ExcludeVars(exclude_vars=sorted(keys)), filter_type=FilterType.TASK_RESULT, tasks=TASKS)
+    fed.to_clients(ExcludeVars(exclude_vars=sorted(keys)), filter_type=FilterType.TASK_RESULT, tasks=TASKS)
 
 
-def add_half_precision_filters(job: FedJob) -> None:
+def add_half_precision_filters(fed: FedJob) -> None:
     """nvflare's own quantization filters, both directions: the sender quantizes to
     float16, the receiver restores float32 before any fedlabels code sees the weights."""
     from nvflare.app_opt.pt.quantization.dequantizer import ModelDequantizer
     from nvflare.app_opt.pt.quantization.quantizer import ModelQuantizer
 
-    job.to_server(ModelQuantizer(quantization_type="float16"), filter_type=FilterType.TASK_DATA, tasks=TASKS)
-    job.to_server(ModelDequantizer(), filter_type=FilterType.TASK_RESULT, tasks=TASKS)
-    job.to_clients(ModelDequantizer(), filter_type=FilterType.TASK_DATA, tasks=TASKS)
-    job.to_clients(ModelQuantizer(quantization_type="float16"), filter_type=FilterType.TASK_RESULT, tasks=TASKS)
+    fed.to_server(ModelQuantizer(quantization_type="float16"), filter_type=FilterType.TASK_DATA, tasks=TASKS)
+    fed.to_server(ModelDequantizer(), filter_type=FilterType.TASK_RESULT, tasks=TASKS)
+    fed.to_clients(ModelDequantizer(), filter_type=FilterType.TASK_DATA, tasks=TASKS)
+    fed.to_clients(ModelQuantizer(quantization_type="float16"), filter_type=FilterType.TASK_RESULT, tasks=TASKS)
 
 
 def export(spec: JobSpec, out_dir, installed: bool = False) -> Path:
@@ -269,7 +276,6 @@ def _sort_filter_tasks(config: Path) -> None:
 def run_cli(spec: JobSpec, argv=None) -> None:
     """The command line of each ``nvflare_jobs/<job>/job.py``: export, or run in SimEnv / PocEnv / ProdEnv."""
     import argparse
-    import dataclasses
 
     from nvflare.recipe import spec as recipe_spec  # importing it takes nvflare's own flags out of sys.argv
 
@@ -289,12 +295,12 @@ def run_cli(spec: JobSpec, argv=None) -> None:
     p.add_argument("-n", "--sites", type=int, default=spec.sites)
     p.add_argument("--rounds", type=int, default=spec.rounds)
     p.add_argument("-t", "--threads", type=int, help="--sim: worker processes (default: as `fedlabels simulate`)")
-    p.add_argument("--transfer", choices=TRANSFERS, default=spec.transfer,
+    p.add_argument("--transfer", choices=TRANSFERS, default=spec.run.transfer,
                    help="precision of the weights on the wire")
     p.add_argument("--min-sites", type=int,
                    help="fewest sites a round needs; nvflare starts the job once this many are connected and "
                         "stops it when fewer stay (default: every site with --poc/--prod, else the job's own)")
-    p.add_argument("--site-timeout", type=int, default=spec.site_timeout, metavar="SECONDS",
+    p.add_argument("--site-timeout", type=int, default=spec.run.site_timeout, metavar="SECONDS",
                    help="seconds a site has to answer a task (a round's training, the final evaluation); one that "
                         "does not answer in time is left out of that step, logged, and the round goes on "
                         f"(default {DEFAULT_SITE_TIMEOUT} in a deployment; none in the simulator, where sites "
@@ -304,13 +310,13 @@ def run_cli(spec: JobSpec, argv=None) -> None:
     args = p.parse_args(argv)
     if args.min_sites is None:
         # a real deployment waits for every hospital unless told it may run with fewer
-        args.min_sites = args.sites if (args.poc or args.prod) else spec.min_sites
+        args.min_sites = args.sites if (args.poc or args.prod) else spec.run.min_sites
     if not 1 <= args.min_sites <= args.sites:
         p.error(f"--min-sites {args.min_sites}: must be between 1 and the number of sites ({args.sites})")
     if args.site_timeout is not None and args.site_timeout < 1:
         p.error(f"--site-timeout {args.site_timeout}: must be >= 1 (seconds)")
-    spec = dataclasses.replace(spec, sites=args.sites, rounds=args.rounds, transfer=args.transfer,
-                               min_sites=args.min_sites, resume_from=args.resume_from, site_timeout=args.site_timeout)
+    spec = spec.replace(sites=args.sites, rounds=args.rounds, transfer=args.transfer, min_sites=args.min_sites,
+                        resume_from=args.resume_from, site_timeout=args.site_timeout)
     try:
         check_sites(spec)
     except ValueError as e:  # too few sites for the method (-n), or a server option the rule refuses
