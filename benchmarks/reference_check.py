@@ -1,15 +1,17 @@
 """The project's rows against independent plain-PyTorch references, with an equivalence criterion.
 
-Methods (IsoFed's table; ``--rows``)::
+Methods (IsoFed's table, Surgical Aggregation; ``--rows``)::
 
     python benchmarks/reference_check.py --preset isofed --rows oracle:wfedavg,isofed,mt_wfedavg \
         --data 'DIR-s{seed}' --seeds 0,1,2 --rounds 20 --eval-rounds 5,10,20 --label pneumoniamnist-g0.8-1L3U
+    python benchmarks/reference_check.py --preset fedmlp_blood --rows surgical --data 'DIR-s{seed}' \
+        --seeds 0,1,2 --rounds 150 --eval-rounds 50,100,150 --label bloodmnist-one-class
 
 Per split s (one prepared split each; ``{seed}`` in ``--data``) and row, the project's row runs twice
-(``fedlabels bench``'s in-process round engine, training seeds s and s + ``SEED_OFFSET``) and
-``benchmarks/reference/semisup.py`` once, both with the reference's settings (``semisup.CHECK``: RSCFed's
-released values where the project can express them; ``project_settings`` turns them into the row's options
-and stops on any it cannot).
+(``fedlabels bench``'s in-process round engine, training seeds s and s + ``SEED_OFFSET``) and its reference
+once: ``benchmarks/reference/semisup.py`` with ``semisup.CHECK`` (RSCFed's released values where the project
+can express them), ``benchmarks/reference/surgical.py`` with ``surgical.CHECK`` (the paper's values); both
+sides train with them (``project_settings`` turns them into the row's options and stops on any it cannot).
 
 FedAvg (the training path; no ``--rows``)::
 
@@ -282,8 +284,10 @@ def verdict(a: dict, b: dict) -> str:
 
 # ---------------------------------------------------------------- the methods (IsoFed's table)
 
-# a project row -> (the reference's method, every site from its full labels)
+# a project row -> (the reference's method, every site from its full labels); Surgical Aggregation's reference is
+# benchmarks/reference/surgical.py, the others benchmarks/reference/semisup.py
 METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False), "isofed_nopt": ("isofed_nopt", False),
+               "surgical": ("surgical", False),
                "mt_wfedavg": ("mt_wfedavg", False)}
 SEED_OFFSET = 1000  # the project's second training seed on split s is s + SEED_OFFSET
 # The project's strong view is its weak view further transformed (fedlabels.site.TwoViews); a second random
@@ -299,6 +303,8 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
     stops here, naming it; so does a preset whose scaling or weak augmentation is not the reference's."""
     if row not in METHOD_ROWS:
         raise ValueError(f"row {row!r}: the method references cover {sorted(METHOD_ROWS)}")
+    if row == "surgical":
+        return surgical_settings(preset, s)
     if s["distance"] != "paper":
         raise ValueError(f"distance {s['distance']!r}: the project implements the paper's (the flattened model)")
     bundle = reference_settings(preset)  # the preset's scaling and weak augmentation, as the reference names them
@@ -324,13 +330,26 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
             "config": {"train#strong_random_transforms": STRONG_AS_SECOND_FLIP} if row != "oracle:wfedavg" else {}}
 
 
+def surgical_settings(preset: str, s: dict) -> dict:
+    """The project's ``surgical`` row with the reference's settings ``s`` (surgical.CHECK: the paper's)."""
+    if REFERENCES[preset][0] != "multilabel":
+        raise ValueError(f"surgical: a multi-label preset, not {preset!r}")
+    client = {"optimizer": s["optimizer"], "lr": s["lr"], "weight_decay": 0.0, "reset_optimizer": not s["carry_optimizer"],
+              "warmup_epochs": s["warmup_epochs"], "warmup_lr": s["warmup_lr"],
+              "pos_weighted": False}  # the paper's plain BCE
+    server = {"weighted": False}  # Eq. 1 as printed (1/K sum_k), the released code's unweighted mean
+    opts = [f"surgical:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
+    return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
+
+
 def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
                     log=print, settings: dict | None = None) -> dict:
     """One split, one row: the project twice (training seeds ``split`` and ``split + SEED_OFFSET``) and the
     method reference once (seed ``split``), one after the other in this process."""
-    from reference import semisup
+    from reference import semisup, surgical
 
-    s = {**semisup.CHECK, **(settings or {})}
+    reference = surgical if row == "surgical" else semisup
+    s = {**reference.CHECK, **(settings or {})}
     proj = project_settings(preset, row, s)
     runs = []
     for seed in (split, split + SEED_OFFSET):
@@ -340,7 +359,12 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
         run["metrics"] = {str(k): v for k, v in run["metrics"].items()}
         runs.append({**run, "train_seed": seed})
     method, oracle = METHOD_ROWS[row]
-    ref = semisup.run(data, method, rounds, set(eval_rounds), seed=split, oracle=oracle, log=log, **(settings or {}))
+    if reference is surgical:  # the preset's network width and scaling, as the FedAvg check reads them
+        bundle = reference_settings(preset)
+        ref = surgical.run(data, rounds, set(eval_rounds), seed=split, log=log, scaling=bundle["scaling"],
+                           widen=bundle.get("widen", 1.0), **s)
+    else:
+        ref = semisup.run(data, method, rounds, set(eval_rounds), seed=split, oracle=oracle, log=log, **(settings or {}))
     ref["metrics"] = {str(k): v for k, v in ref["metrics"].items()}
     return {"kind": "methods", "preset": preset, "row": row, "metric": REFERENCES[preset][1],
             "data": str(data), "seed": split, "rounds": rounds, "reference": s, "project_options": proj,
@@ -478,8 +502,17 @@ def _fedavg_section(label, scaling, cs, tolerance) -> list:
     return lines + [""]
 
 
-def _settings_text(s: dict) -> str:
-    from reference import semisup
+def _settings_text(s: dict, row: str) -> str:
+    from reference import semisup, surgical
+
+    if row == "surgical":
+        used = ", ".join(f"{k} {v}" for k, v in s.items())
+        left = "; ".join(f"{k}: {v}" for k, v in surgical.LEFT_OUT.items())
+        return (f"Both sides train with the reference's settings (`benchmarks/reference/surgical.py` `CHECK`, the "
+                f"paper's values, or the released code's where the paper prints none; their sources are its "
+                f"`PAPER`): {used}, the paper's plain BCE over each site's own classes (no positive weighting) and "
+                f"the unweighted feature mean. The project's row is given them as options (`project_options` in each "
+                f"cell). Not the paper's, and what runs instead: {left}.")
 
     used = ", ".join(f"{k} {s[k]}" for k in ("optimizer", "lr", "momentum", "weight_decay", "batch_size", "epochs",
                                                "lambda_u", "temperature", "ema_alpha", "sup_scale", "dist_scale",
@@ -498,16 +531,18 @@ def _methods_section(label, preset, cs_all, tolerance) -> list:
     splits = sorted({c["seed"] for c in cs_all})
     rows = [r for r in METHOD_ROWS if any(c["row"] == r for c in cs_all)]
     lines = [f"## {label}: the methods against their references (preset `{preset}`, splits {splits})", "",
-             _settings_text(cs_all[0]["reference"]), "",
+             _settings_text(cs_all[0]["reference"], cs_all[0]["row"]), "",
              f"Per split the project ran twice (training seeds s and s + {SEED_OFFSET}, columns A and B) and the "
              "reference once (seed s). d = mean(A, B) - reference per split; seed-to-seed = A - B per split. "
              f"(a): the 90 % t interval of the mean of d inside ±{100 * tol:.0f} points; (b): max abs d <= max abs "
-             "seed-to-seed. Metric: the last model's test metric, mean ± sd over splits; `classes` = classes "
-             "predicted for at least one test case, per split (A / B / reference).", ""]
+             "seed-to-seed. Metric: the last model's test metric, mean ± sd over splits"
+             + ("; `classes` = classes predicted for at least one test case, per split (A / B / reference)."
+                if metric == "accuracy" else "."), ""]
     for m in (metric, "auroc") if metric != "auroc" else (metric,):
+        classes = m == "accuracy"  # classes predicted: a multi-class model's (a multi-label one scores every class)
         lines += [f"| row | round | project A {m} | project B {m} | reference {m} | "
-                  + CRITERIA_HEAD.format(m=f"{100 * tol:.0f}") + (" | classes |" if m == metric else " |"),
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if m == metric else "")]
+                  + CRITERIA_HEAD.format(m=f"{100 * tol:.0f}") + (" | classes |" if classes else " |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if classes else "")]
         for row in rows:
             cs = sorted((c for c in cs_all if c["row"] == row), key=lambda c: c["seed"])
             rounds = sorted({int(r) for c in cs for r in c["reference_run"]["metrics"]})
@@ -518,7 +553,7 @@ def _methods_section(label, preset, cs_all, tolerance) -> list:
                 crit = _criteria_cells(cs, r, m, tol)[0]
                 line = (f"| `{row}` | {r} | {_fmt([x[m] for x in a])} | {_fmt([x[m] for x in b])} "
                         f"| {_fmt([x[m] for x in q])} | {crit} |")
-                if m == metric:
+                if classes:
                     line += (" " + " / ".join(",".join(str(x.get("classes_predicted")) for x in side)
                                              for side in (a, b, q)) + " |")
                 lines.append(line)
@@ -606,9 +641,9 @@ def main(argv=None) -> None:
                     help="the project side augments each case in the loader (the chest X-ray bundles' RandAffined and "
                          "RandAdjustContrastd) instead of the preset's per-batch augmentation: what the batching saves")
     ap.add_argument("--rows", help="comma-separated project rows checked against the method references "
-                                   f"(benchmarks/reference/semisup.py): {', '.join(METHOD_ROWS)}; each split runs the "
+                                   f"(benchmarks/reference/semisup.py, surgical.py): {', '.join(METHOD_ROWS)}; each split runs the "
                                    f"project with training seeds s and s + {SEED_OFFSET} and the reference once, "
-                                   "with the reference's settings (semisup.CHECK)")
+                                   "with the reference's settings (semisup.CHECK, surgical.CHECK)")
     ap.add_argument("--two-seeds", action="store_true",
                     help=f"run the project twice per split (training seeds s and s + {SEED_OFFSET}): criterion (b)")
     ap.add_argument("--table-only", action="store_true", help="rewrite reference_check.md from the finished cells")
@@ -669,9 +704,12 @@ def _splits(args) -> tuple:
 
 def main_methods(args) -> None:
     """``--rows``: one cell per (row, split), resumable, one after the other."""
-    if REFERENCES[args.preset][0] != "classification":
-        raise SystemExit(f"--rows: the method references are of the classification tasks' presets, not {args.preset}")
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    kind = REFERENCES[args.preset][0]
+    wrong = [r for r in rows if (kind == "multilabel") != (r == "surgical")]
+    if wrong:
+        raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical: a multi-label "
+                         "preset; the others: a classification preset)")
     unknown = [r for r in rows if r not in METHOD_ROWS]
     if unknown:
         raise SystemExit(f"--rows {unknown}: the method references cover {sorted(METHOD_ROWS)}")

@@ -1,4 +1,5 @@
-"""Surgical Aggregation's server rule (Kulkarni et al., ../shared/papers/004_*), in plain NumPy.
+"""Surgical Aggregation (Kulkarni et al., ../shared/papers/004_*): its server rule in plain NumPy
+(``aggregate``) and its federated training in plain PyTorch (``run``), no fedlabels, no MONAI.
 
 Sec. 2.1.2: the model is a feature extractor F and a fully-connected head G.
 Feature extractor update: Eq. 1 as printed, w^(F) = 1/K sum_k w_k^(F) (an
@@ -18,7 +19,13 @@ sites' classes) keeps its previous global row.
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+
 import numpy as np
+import torch
+import yaml
 
 
 def aggregate(states: list, masks: list, global_state: dict, head: str, weights=None) -> dict:
@@ -43,3 +50,108 @@ def aggregate(states: list, masks: list, global_state: dict, head: str, weights=
             new = np.rint(new)
         out[key] = new.astype(old.dtype)
     return out
+
+
+# The paper's settings (Sec. 4, "Centralized Setup" and "Federated Setup") and the released code's where the
+# paper prints none: (value, source).
+PAPER = {
+    "lr": (5e-5, "paper Sec. 4: all weights trained with a learning rate of 5e-5"),
+    "batch_size": (64, "paper Sec. 4: a batch size of 64"),
+    "epochs": (1, "paper Sec. 4: E = 1 epoch before communication"),
+    "rounds": (150, "paper Sec. 4: T = 150 epochs, E = 1"),
+    "warmup_epochs": (15, "paper Sec. 4: the heads 'warmed up' for 15 epochs, feature extractor frozen"),
+    "warmup_lr": (5e-3, "paper Sec. 4: warm-up learning rate 5e-3"),
+    "optimizer": ("adam", "released code src/federated.py: keras.optimizers.Adam (the paper names none)"),
+    "carry_optimizer": (True, "released code src/federated.py: each client's model is compiled with its Adam once "
+                              "and keeps it from round to round"),
+    "loss": ("bce", "paper Sec. 4: binary cross-entropy, each site on its own classes (no positive weighting)"),
+    "feature_rule": ("mean", "paper Eq. 1: w^(F) = 1/K sum_k w_k^(F) (FedAvg as printed); released code: "
+                             "unweighted mean"),
+}
+# What both sides train with in benchmarks/reference_check.py --rows surgical: the paper's values; the network,
+# input and augmentation are the check's preset's (the paper's ImageNet DenseNet121 at 224 px cannot be
+# downloaded or trained here).
+CHECK = {key: value for key, (value, _) in PAPER.items() if key not in ("rounds", "loss", "feature_rule")}
+LEFT_OUT = {
+    "network": "the preset's ResNet-18 (width 0.25) from scratch at 32 px, not an ImageNet DenseNet121 at 224 px",
+    "warmup_selection": "the released code keeps the warm-up head of the best validation loss; both sides keep "
+                        "the last (the project's client has no validation loader)",
+    "rounds": "the check's budget",
+}
+
+
+def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 5e-5, batch_size: int = 64, epochs: int = 1,
+        warmup_epochs: int = 15, warmup_lr: float = 5e-3, optimizer: str = "adam", carry_optimizer: bool = True,
+        widen: float = 0.25, scaling: str = "fixed", log=print) -> dict:
+    """Surgical Aggregation over a prepared partial-label scenario: each site trains the BCE of the classes it
+    annotates (label -1: not annotated) from the global model; at the first round a site trains, its head
+    is first trained alone (``warmup_epochs`` at ``warmup_lr``, a fresh optimizer) with the feature extractor
+    frozen and in inference mode; the server averages the features unweighted (Eq. 1) and each head row over
+    the sites annotating its class (``aggregate``: Eq. 2-3). Test metric: the mean one-vs-rest AUROC."""
+    from torch.nn import functional as F
+
+    from .fedavg_multilabel import ResNet18, augment, load_split, macro_auroc
+
+    if optimizer != "adam":
+        raise ValueError(f"optimizer {optimizer!r}: the reference runs the released code's Adam")
+    data = Path(data)
+    scenario = yaml.safe_load((data / "scenario.yaml").read_text())
+    n_classes = len(scenario["classes"])
+    sites = [load_split(data / s, json.loads((data / s / "datalist.json").read_text())["training"], scaling)
+             for s in scenario["sites"]]
+    masks = [(y >= 0).any(0).numpy() for _, y in sites]  # the classes each site annotates
+    test = load_split(data / "test", json.loads((data / "test" / "datalist.json").read_text())["testing"], scaling)
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+
+    def partial_bce(logits, y):  # mean over the annotated entries of the batch
+        mask = (y >= 0).float()
+        loss = F.binary_cross_entropy_with_logits(logits, y.clamp(min=0), reduction="none") * mask
+        return loss.sum() / mask.sum().clamp(min=1)
+
+    def features(net, x):
+        return F.adaptive_avg_pool2d(net.layers(net.stem(x)), 1).flatten(1)
+
+    def batches(n):
+        order = torch.randperm(n, generator=gen)
+        # a last batch of one case is dropped: batch norm cannot train on one case
+        return [order[i:i + batch_size] for i in range(0, n, batch_size) if min(batch_size, n - i) > 1]
+
+    global_net = ResNet18(1, n_classes, widen)
+    nets = [ResNet18(1, n_classes, widen) for _ in sites]
+    opts = [None] * len(sites)
+    out, seconds = {}, []
+    for rnd in range(1, rounds + 1):
+        t0 = time.perf_counter()
+        states = []
+        for k, (x, y) in enumerate(sites):
+            net = nets[k]
+            net.load_state_dict(global_net.state_dict())
+            if rnd == 1 and warmup_epochs > 0:  # the head alone, on frozen features (Sec. 4)
+                net.eval()
+                head_opt = torch.optim.Adam(net.fc.parameters(), lr=warmup_lr)
+                for _ in range(warmup_epochs):
+                    for idx in batches(len(y)):
+                        with torch.no_grad():
+                            f = features(net, augment(x[idx], gen))
+                        loss = partial_bce(net.fc(f), y[idx])
+                        head_opt.zero_grad()
+                        loss.backward()
+                        head_opt.step()
+            if opts[k] is None or not carry_optimizer:
+                opts[k] = torch.optim.Adam(net.parameters(), lr=lr)
+            net.train()
+            for _ in range(epochs):
+                for idx in batches(len(y)):
+                    loss = partial_bce(net(augment(x[idx], gen)), y[idx])
+                    opts[k].zero_grad()
+                    loss.backward()
+                    opts[k].step()
+            states.append({key: v.detach().numpy().copy() for key, v in net.state_dict().items()})
+        g = aggregate(states, masks, {key: v.numpy() for key, v in global_net.state_dict().items()}, "fc")
+        global_net.load_state_dict({key: torch.from_numpy(np.asarray(v)) for key, v in g.items()})
+        seconds.append(time.perf_counter() - t0)
+        if rnd in eval_rounds:
+            out[rnd] = {"auroc": macro_auroc(global_net, *test)}
+            log(f"[reference] surgical seed {seed} round {rnd}: {out[rnd]}")
+    return {"metrics": out, "seconds_per_round": float(np.mean(seconds)), "seconds": seconds}
