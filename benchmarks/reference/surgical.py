@@ -80,16 +80,55 @@ LEFT_OUT = {
 }
 
 
+def partial_bce(logits, y):
+    """BCE over the annotated entries (label >= 0), averaged over them (the paper: each site on its own classes)."""
+    from torch.nn import functional as F
+
+    mask = (y >= 0).float()
+    loss = F.binary_cross_entropy_with_logits(logits, y.clamp(min=0), reduction="none") * mask
+    return loss.sum() / mask.sum().clamp(min=1)
+
+
+def features(net, x):
+    """The feature extractor F of the ResNet-18 (``fedavg_multilabel.ResNet18``): everything before ``fc``."""
+    from torch.nn import functional as F
+
+    return F.adaptive_avg_pool2d(net.layers(net.stem(x)), 1).flatten(1)
+
+
+def warm_up(net, x, y, batches, epochs: int, lr: float, augment) -> None:
+    """The head G alone, a fresh Adam, on features of F frozen and in inference mode (Sec. 4)."""
+    net.eval()
+    opt = torch.optim.Adam(net.fc.parameters(), lr=lr)
+    for _ in range(epochs):
+        for idx in batches(len(y)):
+            with torch.no_grad():
+                f = features(net, augment(x[idx]))
+            loss = partial_bce(net.fc(f), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
+def train_local(net, opt, x, y, batches, epochs: int, augment) -> None:
+    net.train()
+    for _ in range(epochs):
+        for idx in batches(len(y)):
+            loss = partial_bce(net(augment(x[idx])), y[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+
 def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 5e-5, batch_size: int = 64, epochs: int = 1,
         warmup_epochs: int = 15, warmup_lr: float = 5e-3, optimizer: str = "adam", carry_optimizer: bool = True,
         widen: float = 0.25, scaling: str = "fixed", log=print) -> dict:
     """Surgical Aggregation over a prepared partial-label scenario: each site trains the BCE of the classes it
     annotates (label -1: not annotated) from the global model; at the first round a site trains, its head
-    is first trained alone (``warmup_epochs`` at ``warmup_lr``, a fresh optimizer) with the feature extractor
-    frozen and in inference mode; the server averages the features unweighted (Eq. 1) and each head row over
-    the sites annotating its class (``aggregate``: Eq. 2-3). Test metric: the mean one-vs-rest AUROC."""
-    from torch.nn import functional as F
-
+    is first trained alone (``warm_up``) with the feature extractor frozen and in inference mode; the server
+    averages the features unweighted (Eq. 1) and each head row over the sites annotating its class
+    (``aggregate``: Eq. 2-3). Augmentation: the bundle's affine and contrast change. Test metric: the mean
+    one-vs-rest AUROC."""
     from .fedavg_multilabel import ResNet18, augment, load_split, macro_auroc
 
     if optimizer != "adam":
@@ -104,18 +143,13 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 5e-5, batch_s
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
 
-    def partial_bce(logits, y):  # mean over the annotated entries of the batch
-        mask = (y >= 0).float()
-        loss = F.binary_cross_entropy_with_logits(logits, y.clamp(min=0), reduction="none") * mask
-        return loss.sum() / mask.sum().clamp(min=1)
-
-    def features(net, x):
-        return F.adaptive_avg_pool2d(net.layers(net.stem(x)), 1).flatten(1)
-
     def batches(n):
         order = torch.randperm(n, generator=gen)
         # a last batch of one case is dropped: batch norm cannot train on one case
         return [order[i:i + batch_size] for i in range(0, n, batch_size) if min(batch_size, n - i) > 1]
+
+    def aug(x):
+        return augment(x, gen)
 
     global_net = ResNet18(1, n_classes, widen)
     nets = [ResNet18(1, n_classes, widen) for _ in sites]
@@ -127,26 +161,11 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 5e-5, batch_s
         for k, (x, y) in enumerate(sites):
             net = nets[k]
             net.load_state_dict(global_net.state_dict())
-            if rnd == 1 and warmup_epochs > 0:  # the head alone, on frozen features (Sec. 4)
-                net.eval()
-                head_opt = torch.optim.Adam(net.fc.parameters(), lr=warmup_lr)
-                for _ in range(warmup_epochs):
-                    for idx in batches(len(y)):
-                        with torch.no_grad():
-                            f = features(net, augment(x[idx], gen))
-                        loss = partial_bce(net.fc(f), y[idx])
-                        head_opt.zero_grad()
-                        loss.backward()
-                        head_opt.step()
+            if rnd == 1 and warmup_epochs > 0:
+                warm_up(net, x, y, batches, warmup_epochs, warmup_lr, aug)
             if opts[k] is None or not carry_optimizer:
                 opts[k] = torch.optim.Adam(net.parameters(), lr=lr)
-            net.train()
-            for _ in range(epochs):
-                for idx in batches(len(y)):
-                    loss = partial_bce(net(augment(x[idx], gen)), y[idx])
-                    opts[k].zero_grad()
-                    loss.backward()
-                    opts[k].step()
+            train_local(net, opts[k], x, y, batches, epochs, aug)
             states.append({key: v.detach().numpy().copy() for key, v in net.state_dict().items()})
         g = aggregate(states, masks, {key: v.numpy() for key, v in global_net.state_dict().items()}, "fc")
         global_net.load_state_dict({key: torch.from_numpy(np.asarray(v)) for key, v in g.items()})

@@ -267,6 +267,72 @@ def test_surgical_reference_by_hand():
     assert ref_surgical.aggregate(states, masks, glob, "h", weights=[3, 1])["f"].tolist() == [1.75]
 
 
+class _TinyResNet(torch.nn.Module):
+    """The reference ResNet-18's attribute layout (stem, layers, fc) at toy size, with the project's head
+    interface (head_name, head, extract), so both clients can train the same network."""
+
+    head_name = "fc"
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1, bias=False), torch.nn.BatchNorm2d(4),
+                                        torch.nn.ReLU())  # no bias before batch norm: its gradient is float noise
+        self.layers = torch.nn.Identity()
+        self.fc = torch.nn.Linear(4, 3)
+
+    @property
+    def head(self):
+        return self.fc
+
+    def extract(self, x):
+        return ref_surgical.features(self, x)
+
+    def forward(self, x):
+        return self.fc(self.extract(x))
+
+
+def test_project_surgical_client_equals_the_reference_over_two_rounds():
+    """Surgical's site, two rounds with Adam carried: the head warm-up on frozen features in round 0 only, then
+    the partial BCE (no positive weighting) on every entry the site annotates. One batch holding every case and
+    no augmentation, so the reference's shuffling cannot change the batch's means."""
+    from fedlabels.methods.base import to_numpy
+    from fedlabels.methods.surgical import SurgicalClient
+    from fedlabels.profile import SiteProfile
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 1, 5, 5, generator=g)
+    # class a: 4 positives of 6, class b: 2 (a positive weighting would weigh them 0.5 and 2), class c: not annotated
+    y = torch.tensor([[1, 0, -1], [0, 1, -1], [1, 1, -1], [0, 0, -1], [1, 0, -1], [1, 0, -1]], dtype=torch.float32)
+    s = {**ref_surgical.CHECK, "lr": 0.01, "warmup_epochs": 2, "warmup_lr": 0.05}
+    profile = SiteProfile("site-1", "multilabel", ("a", "b", "c"), ("a", "b"), "image")
+    ctx = site_context(profile, [{"image": x, "label": y}], labels=y.long().tolist())
+    torch.manual_seed(0)
+    net = _TinyResNet()
+    start = to_numpy(net.state_dict())
+    client = SurgicalClient(net, ctx, warmup_epochs=s["warmup_epochs"], warmup_lr=s["warmup_lr"], lr=s["lr"],
+                            optimizer=s["optimizer"], reset_optimizer=not s["carry_optimizer"], pos_weighted=False)
+    rnet = _TinyResNet()
+    ropt = torch.optim.Adam(rnet.parameters(), lr=s["lr"])
+    gen = torch.Generator().manual_seed(0)
+
+    def one_batch(n):
+        return [torch.randperm(n, generator=gen)]
+
+    weights = start
+    for rnd in (0, 1):
+        sent = client.train(weights, rnd).weights
+        rnet.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()})
+        if rnd == 0:
+            ref_surgical.warm_up(rnet, x, y, one_batch, s["warmup_epochs"], s["warmup_lr"], lambda v: v)
+        ref_surgical.train_local(rnet, ropt, x, y, one_batch, s["epochs"], lambda v: v)
+        for k, v in rnet.state_dict().items():
+            np.testing.assert_allclose(sent[k], v.detach().numpy(), rtol=0, atol=1e-5, err_msg=f"round {rnd} {k}")
+        weights = {k: np.asarray(v) + 0.01 * (np.asarray(v).dtype.kind == "f") for k, v in sent.items()}
+    # the unannotated class's row gets no gradient: only the warm-up and local steps of classes a and b moved
+    np.testing.assert_array_equal(sent["fc.weight"][2], start["fc.weight"][2] + 0.01)
+    assert not np.allclose(sent["fc.weight"][:2], start["fc.weight"][:2])
+
+
 def _scenario(root, sites):
     """A tiny prepared scenario: ``sites`` = {name: [label, ...]} (-1 = unlabeled), 2 classes, 4x4 images."""
     import json
