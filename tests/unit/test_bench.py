@@ -1,8 +1,11 @@
 """``fedlabels bench``: the comparison table, its floor rows, reruns, refusals and its numbers.
 
 One tiny bench run (embedded cxr, 12 cases per reference site, 8 test cases,
-ResNet-18, 2 rounds, FedAvg and Surgical Aggregation, seed 0) through the CLI's
-``main()`` in this process is shared by the tests of this module. Its numbers
+ResNet-18 a quarter as wide at 32 px, 2 rounds, FedAvg and Surgical Aggregation,
+seed 0) is shared by the tests of this module: a real ``fedlabels bench`` process
+(``python -m fedlabels.cli``), so its console is the one a user sees, and its
+folder serves the checks that read a run's output (the reruns, ``--reuse`` and the
+refusals run through the CLI's ``main()`` in this process). Its numbers
 are checked against ``references.federate`` + ``score`` (and ``references.local``
 for a floor row) called directly: a plumbing check (bench reports what the engine
 computed, for the right cell, model and class), not an independent one, since bench
@@ -15,13 +18,16 @@ real simulator: tests/simulator/test_bench_flare.py.
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from fedlabels import bench, cli, references
 from fedlabels.bundle import bundle_path
-from helpers import read_csv as _read_csv, run_cli as _main, score_directly
+from helpers import fedlabels_env, read_csv as _read_csv, run_cli as _main, score_directly
 
 BENCH = ["bench", "--data", "embedded:cxr", "--synth", "cases=12", "--synth", "test_cases=8", "--bundle",
          "cxr_resnet18", "--methods", "fedavg,surgical", "--seeds", "0", "--rounds", "2", "--batch-size", "8",
@@ -37,10 +43,14 @@ def _value(rows, **where) -> float:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
+    """The module's bench run, as a user runs it: a ``fedlabels bench`` process on one OpenMP thread (as this
+    session's torch), its stdout and, for the console checks, its stdout and stderr together."""
     out = tmp_path_factory.mktemp("bench") / "out"
-    code, stdout, stderr = _main(BENCH + ["--out", out])
-    assert code == 0, stderr
-    return {"out": out, "stdout": stdout, "rows": _read_csv(out / "results.csv")}
+    proc = subprocess.run([sys.executable, "-m", "fedlabels.cli", *BENCH, "--out", str(out)], capture_output=True,
+                          text=True, timeout=900, env=fedlabels_env())
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console[-3000:]
+    return {"out": out, "stdout": proc.stdout, "console": console, "rows": _read_csv(out / "results.csv")}
 
 
 def test_writes_table_floors_and_plots(run):
@@ -259,41 +269,28 @@ def test_oracle_rows_train_every_site_on_its_full_labels(tmp_path):
     assert code == 2 and "'oracle:nosuch' is not one of --methods" in err
 
 
-def test_network_and_image_size_reach_every_row_and_a_misspelt_option_stops_before_any_cell(tmp_path):
-    import json
-
-    out = tmp_path / "small"
-    argv = [a if a != "fedavg,surgical" else "fedavg" for a in BENCH]
-    code, _, stderr = _main(argv + ["--rounds", "1", "--network", "widen_factor=0.25", "--image-size", "32",
-                                    "--out", out])
-    assert code == 0, stderr
-    cells = sorted((out / "cells").glob("*.json"))
+def test_network_and_image_size_reach_every_row_and_a_misspelt_option_stops_before_any_cell(run, tmp_path):
+    """The module's run was asked for ``--network widen_factor=0.25 --image-size 32`` (``BENCH``): every cell,
+    the federated ones and the floor rows, was trained with both."""
+    cells = sorted((run["out"] / "cells").glob("*.json"))
     assert {c.name for c in cells} >= {"fedavg-seed0.json", "local_site-1-seed0.json"}
     for c in cells:
         config = json.loads(c.read_text())["config"]
         assert config["network"] == {"widen_factor": 0.25} and config["image_size"] == 32, c.name
+    argv = [a if a != "fedavg,surgical" else "fedavg" for a in BENCH]
     bad = tmp_path / "bad"
     code, _, stderr = _main(argv + ["--network", "widen=0.25", "--out", bad])
     assert code == 2 and "--network" in stderr and len(stderr.strip().splitlines()) == 1
     assert not (bad / "cells").exists()
 
 
-def test_a_bench_says_the_nvimagecodec_notice_at_most_once_and_prints_rounded_numbers(tmp_path):
-    """The console of a real `fedlabels bench` (a subprocess: MONAI's own logging and warnings as a user sees
-    them): MONAI's nvImageCodec notice at most once for all its cells, every number rounded for display."""
-    import os
-    import re
-    import subprocess
-    import sys
-
+def test_a_bench_says_the_nvimagecodec_notice_at_most_once_and_prints_rounded_numbers(run):
+    """The console of a real `fedlabels bench` (the module's run, a subprocess: MONAI's own logging and warnings
+    as a user sees them): MONAI's nvImageCodec notice at most once for all its cells, every number rounded for
+    display."""
     from fedlabels.progress import number
 
-    argv = [a if a != "fedavg,surgical" else "fedavg" for a in BENCH]
-    argv[argv.index("--rounds") + 1] = "1"
-    proc = subprocess.run([sys.executable, "-m", "fedlabels.cli", *argv, "--out", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text[-3000:]
+    text = run["console"]
     assert text.count("nvImageCodec") <= 1, text
     assert "train_loss=" in text and "round 0" in text
     assert not re.findall(r"\d\.\d{5,}", text), re.findall(r".*\d\.\d{5,}.*", text)
