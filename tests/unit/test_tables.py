@@ -154,6 +154,12 @@ BAD = [
     (lambda p: p["paper"]["values"]["fedavg"].update(values=[1, 2]), "paper.values['fedavg'] needs"),
     (lambda p: p["columns"].append({"label": "x"}), "columns[5] needs 'label' and one of"),
     (lambda p: p["glance"].update(column="BACC"), "glance.column 'BACC' is not a column label"),
+    # the commands a plan runs parse with fedlabels' own parser (a bench option of another command, a prepare
+    # command without its required option) before any split is prepared
+    (lambda p: p.update(bench=["--protocol", "isofed"]),
+     "bench (with the run's own), for runs/main: fedlabels: error: unrecognized arguments: --protocol isofed"),
+    (lambda p: p["prepare"].update(command=["prepare", "bloodmnist", "--src", "{src}", "--out", "{data}"]),
+     "prepare.command, for runs/main: fedlabels prepare: error: the following arguments are required: --protocol"),
 ]
 
 
