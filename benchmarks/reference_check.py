@@ -438,9 +438,10 @@ COVERAGE = [
     ("`partial_label_study` (embedded chest X-rays; BloodMNIST with per-image min-max scaling)", "unchecked"),
     ("`bench_cxr` at 64 px", "unchecked (the `cxr` check runs 32 px)"),
     ("`fedmlp`, `fedmlp-preset`, `fedmlp-scale`, `fedmlp-cxr` (FedMLP, FedPSL, Surgical and the other multi-label rows)",
-     "the upper bound's training path only (`oracle:fedavg`, `fedmlp_blood` and `cxr` presets, one training seed); "
-     "no method row: Surgical Aggregation's server rule is checked against its reference in "
-     "`tests/unit/test_reference_methods.py` on hand-made inputs, not in training"),
+     "the upper bound's training path (`oracle:fedavg`, `fedmlp_blood` and `cxr` presets); `surgical` against its "
+     "training reference (`benchmarks/reference/surgical.py`, the paper's settings) on BloodMNIST one class a site "
+     "(`fedmlp-preset`'s missing-7 level), not with the preset's settings; FedMLP, FedPSL and the other "
+     "multi-label rows unchecked"),
     ("`fedmix-ph2`, `fedmix-lesion` (FedMix, FedST, FedAvg)",
      "the upper bound's training path on PH2 at 32 px only (`oracle:fedavg`, one training seed); no method row"),
     ("`isofed`, `isofed-100`, `fedmlp` (bundle defaults, the old per-image min-max scaling)",
