@@ -52,7 +52,7 @@ demo: venv
 # write their temporary folders (simulator workspaces, kits, checkpoints: several GB) into one new folder,
 # removed when both pass and kept, with its path printed, when one fails. TMPDIR points into it too, so what
 # a killed process leaves in its own temporary folder goes with the rest.
-SECOND_PROCESS := tests/simulator/test_readme_flare.py tests/simulator/test_cli_simulate.py
+SECOND_PROCESS := tests/simulator/test_readme_flare.py
 test: venv
 	@mkdir -p $(REPORTS)
 	@tmp=$$(mktemp -d -t fedlabels-tests.XXXXXX); mkdir $$tmp/tmp; export TMPDIR=$$tmp/tmp; \
