@@ -220,9 +220,9 @@ def test_the_ledger_survives_concurrent_releases(data, tmp_path):
             "s = load_scenario(sys.argv[1]).site('site-1'); "
             "privacy.release(s.profile, s.training[int(sys.argv[3]):], privacy.options("
             "{'noise_multiplier': 1.0, 'clip': 4.0, 'delta': 1e-5}), sys.argv[2])")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(data), str(ledger), str(k)]) for k in range(4)]
-    assert [p.wait() for p in procs] == [0, 0, 0, 0]
-    assert len(json.loads(ledger.read_text())["sites"]["site-1"]) == 4
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(data), str(ledger), str(k)]) for k in range(2)]
+    assert [p.wait() for p in procs] == [0, 0]
+    assert len(json.loads(ledger.read_text())["sites"]["site-1"]) == 2
 
 
 def test_the_site_sends_and_trains_with_the_one_noised_summary(data, tmp_path, monkeypatch):
