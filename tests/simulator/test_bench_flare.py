@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 import pytest
 import torch
@@ -48,3 +50,11 @@ def test_flare_engine_matches_the_inprocess_engine(tmp_path, one_thread):
         return {(r["class"], r["metric"]): r["value"] for r in rows if r["method"] == "fedavg" and r["model"] == "last"}
 
     assert last(flare_rows) == last(inproc_rows)
+    # both engines trained one run configuration, which each cell records; the FLARE job carried it to its sites
+    from fedlabels.run import Run
+
+    flare_cell, inproc_cell = (json.loads((out / "cells" / "fedavg-seed0.json").read_text())
+                               for out in (flare_out, inproc_out))
+    assert Run(flare_cell["run_dir"]).config.to_json() == flare_cell["run"]
+    assert {**flare_cell["run"], "data": None} == {**inproc_cell["run"], "data": None}
+    assert flare_cell["run"]["method"] == "fedavg" and flare_cell["run"]["data"]["batch_size"] == 8
