@@ -99,8 +99,8 @@ def test_a_state_file_is_loaded_as_data_never_as_code(tmp_path):
 
 
 def test_a_provisioned_site_without_data_refuses_to_start(tmp_path, monkeypatch):
-    """A hospital's kit named site-1 (as the embedded scenario's sites are) with FEDLABELS_DATA unset
-    used to train on the synthetic data and report it as its own; it now refuses in one line. The
+    """A hospital's kit named site-1 (as the embedded scenario's sites are) with FEDLABELS_DATA unset refuses
+    in one line, instead of training on the synthetic data and reporting it as its own. The
     simulator's site workspace (no root certificate) and FEDLABELS_DATA=embedded still get the
     embedded data; a folder named in FEDLABELS_DATA is used as is."""
     import argparse
