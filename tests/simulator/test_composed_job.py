@@ -54,7 +54,7 @@ def test_the_composed_job_isolates_the_unlabeled_site_and_matches_the_in_process
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        out = references.federate(SPEC.method, setups, SPEC.rounds, seed=SPEC.seed, client_options=cfg.client,
+        out = references.federate(SPEC.method, setups, SPEC.rounds, seed=cfg.seed, client_options=cfg.client,
                                   server_options=cfg.server or None, log=None)
     finally:
         torch.set_num_threads(threads)

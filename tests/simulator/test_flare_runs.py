@@ -344,7 +344,7 @@ def test_one_configuration_reaches_server_and_sites(job_runs):
     """JSON keeps 5e-05 a float at every site; a network override reaches the server's
     persistor and every site (or the sites' updates would not match the global keys).
     The fedprox_cxr smoke run carries both (shared_runs.SMOKE_CHANGES)."""
-    assert smoke("fedprox_cxr").client["lr"] == 5e-05 and smoke("fedprox_cxr").network == {"hidden": 16}
+    assert smoke("fedprox_cxr").run.client["lr"] == 5e-05 and smoke("fedprox_cxr").run.network == {"hidden": 16}
     run_dir, log = job_runs("fedprox_cxr")
     text = log.read_text()
     assert text.count("'lr': 5e-05") >= 2 and "'lr': '5e-05'" not in text
