@@ -429,10 +429,11 @@ CRITERIA_HEAD = ("difference d, mean ± sd | 90 % interval of mean d | (a) insid
 # Published plans (docs/results/*.md, benchmarks/plans/) and what this check covers of them.
 COVERAGE = [
     ("`isofed` preset, PneumoniaMNIST / BloodMNIST, every L:U and gamma (`isofed-preset`, `isofed-pretraining`)",
-     "`oracle:fedavg` with the preset on PneumoniaMNIST gamma 0.8 (the 1:3 splits: two training seeds; the older "
-     "splits: one, criterion (b) unmeasured) and BloodMNIST gamma 0.5 (one training seed). The `isofed` and `oracle:wfedavg` rows against the method references on PneumoniaMNIST "
+     "`oracle:fedavg` with the preset on PneumoniaMNIST gamma 0.8 and BloodMNIST gamma 0.5 (two training seeds per "
+     "split). The `isofed` and `oracle:wfedavg` rows against the method references on PneumoniaMNIST "
      "gamma 0.8 and BloodMNIST gamma 0.5, 1 labeled : 3 unlabeled, `mt_wfedavg` on PneumoniaMNIST only, each with "
-     "the reference's settings (RSCFed's released values where the project can express them), not with the "
+     "the reference's settings (RSCFed's released values where the project can express them; the BloodMNIST "
+     "cells without the unlabeled sites' lr and the clipping, each cell's `project_options` says), not with the "
      "preset's Adam 1e-3; `rscfed`, `isofed_nopt`, the other L:U and gamma, and every row with the preset's "
      "settings unchecked"),
     ("`partial_label_study` (embedded chest X-rays; BloodMNIST with per-image min-max scaling)", "unchecked"),
