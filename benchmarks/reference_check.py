@@ -444,7 +444,8 @@ COVERAGE = [
      "(`fedmlp-preset`'s missing-7 level), not with the preset's settings; FedMLP, FedPSL and the other "
      "multi-label rows unchecked"),
     ("`fedmix-ph2`, `fedmix-lesion` (FedMix, FedST, FedAvg)",
-     "the upper bound's training path on PH2 at 32 px only (`oracle:fedavg`, one training seed); no method row"),
+     "the upper bound's training path on PH2 at 32 px only (`oracle:fedavg`, two training seeds); no method row: "
+     "FedMix, FedST and FedAdaptAgg unchecked"),
     ("`isofed`, `isofed-100`, `fedmlp` (bundle defaults, the old per-image min-max scaling)",
      "kept for the record; unchecked (the `minmax` sections are diagnostics)"),
 ]
