@@ -70,6 +70,9 @@ class DataSpec:
     image_size: int | None = None                # the bundle's input size (None: the bundle's own)
     preset: str | None = None                    # a paper's preset merged over the bundle's config (fedlabels.presets)
 
+    def __post_init__(self):
+        self.synth = dict(self.synth)  # its own copy (see RunConfig.__post_init__)
+
     def to_json(self) -> dict:
         # the optional entries only when set: configurations written without them stay as they were
         return {"family": self.family, "synth": dict(self.synth), "batch_size": self.batch_size,
@@ -120,6 +123,9 @@ class RunConfig:
 
     def __post_init__(self):
         self.data = DataSpec.from_json(self.data)
+        # its own copies: a run made from another (dataclasses.replace, JobSpec.replace) shares no dict with it
+        self.client, self.server, self.network = dict(self.client), dict(self.server), dict(self.network)
+        self.faults, self.privacy = list(self.faults), dict(self.privacy)
 
     def to_json(self) -> dict:
         doc = {**dataclasses.asdict(self), "data": self.data.to_json()}
