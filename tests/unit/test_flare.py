@@ -431,3 +431,17 @@ def test_production_jobs_carry_configuration_only_and_name_only_allowed_classes(
         else:
             check_client_config(client, "site-1")
     assert used == set(ALLOWED)  # the kits allow nothing a production job does not name
+
+
+def test_a_job_made_from_a_shipped_one_changes_only_itself():
+    """``JobSpec.replace`` routes each change to the job, its run or the run's data section by name, and the
+    copy holds its own option dicts: changing them leaves the shipped job as it was."""
+    shipped = JOBS["fedprox_cxr"]
+    mine = shipped.replace(name="mine", rounds=3, seed=7, batch_size=4, synth={"cases": 9})
+    assert (mine.name, mine.rounds, mine.run.seed, mine.run.data.batch_size, mine.run.data.synth) == \
+        ("mine", 3, 7, 4, {"cases": 9})
+    mine.run.client["mu"] = 0.5
+    mine.run.data.synth["size"] = 8
+    assert shipped.run.client["mu"] == 0.001 and shipped.run.data.synth == {} and shipped.rounds == 20
+    with pytest.raises(ValueError, match=r"no field \['preset'\]"):
+        shipped.replace(preset="isofed")  # a preset's options are merged by job(), once
