@@ -247,26 +247,28 @@ def load_plan(path: Path, out: Path | None = None) -> TablePlan:
     if missing:
         raise PlanError(f"{where}: glance.rows: {missing[0]!r} is the label of no row")
     out = (out or REPO / _need(raw, "out", where, str)).resolve()
+    from fedlabels import cli
+
+    parser = cli.build_parser(flare=False)  # one parser for every command line of the plan
+    later = {k: 0 if k == "seed" else f"<{k}>" for k in FILLED_LATER}
     for run in runs.values():  # a misspelt option fails here, before any split is prepared or any cell trains
-        later = {k: 0 if k == "seed" else f"<{k}>" for k in FILLED_LATER}
         if prepare.get("command"):
-            _parses(fill(flat(prepare["command"]), {**run.vars, **later}), f"{where}: prepare.command, for {run.dir}")
-        _parses(["bench", "--data", "<data>", "--methods", ",".join(run.methods), "--out", "<out>",
-                 *flat(raw.get("bench", [])), *run.bench], f"{where}: bench (with the run's own), for {run.dir}")
+            _parses(parser, fill(flat(prepare["command"]), {**run.vars, **later}),
+                    f"{where}: prepare.command, for {run.dir}")
+        _parses(parser, ["bench", "--data", "<data>", "--methods", ",".join(run.methods), "--out", "<out>",
+                         *flat(raw.get("bench", [])), *run.bench], f"{where}: bench (with the run's own), for {run.dir}")
     return TablePlan(path, raw, out, seeds, sections, runs, section_runs)
 
 
-def _parses(argv: list, where: str) -> None:
+def _parses(parser, argv: list, where: str) -> None:
     """``fedlabels argv`` must parse (names and types of the options; nothing runs)."""
     import contextlib
     import io
 
-    from fedlabels import cli
-
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            cli.build_parser(flare=False).parse_args([str(a) for a in argv])
+            parser.parse_args([str(a) for a in argv])
     except SystemExit:
         said = (err.getvalue().strip().splitlines() or ["not a fedlabels command line"])[-1]
         raise PlanError(f"{where}: {said}") from None
