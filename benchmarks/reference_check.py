@@ -6,12 +6,14 @@ Methods (IsoFed's table, Surgical Aggregation; ``--rows``)::
         --data 'DIR-s{seed}' --seeds 0,1,2 --rounds 20 --eval-rounds 5,10,20 --label pneumoniamnist-g0.8-1L3U
     python benchmarks/reference_check.py --preset fedmlp_blood --rows surgical --data 'DIR-s{seed}' \
         --seeds 0,1,2 --rounds 150 --eval-rounds 50,100,150 --label bloodmnist-one-class
+    python benchmarks/reference_check.py --preset fedmix --rows fedmix --image-size 32 --data 'DIR-s{seed}' \
+        --seeds 0,1,2 --rounds 50 --eval-rounds 25,50 --label ph2-UUL
 
 Per split s (one prepared split each; ``{seed}`` in ``--data``) and row, the project's row runs twice
 (``fedlabels bench``'s in-process round engine, training seeds s and s + ``SEED_OFFSET``) and its reference
 once: ``benchmarks/reference/semisup.py`` with ``semisup.CHECK`` (RSCFed's released values where the project
-can express them), ``benchmarks/reference/surgical.py`` with ``surgical.CHECK`` (the paper's values); both
-sides train with them (``project_settings`` turns them into the row's options and stops on any it cannot).
+can express them), ``benchmarks/reference/surgical.py`` with ``surgical.CHECK`` and
+``benchmarks/reference/fedmix.py`` with ``fedmix.CHECK`` (the paper's values); both sides train with them (``project_settings`` turns them into the row's options and stops on any it cannot).
 
 FedAvg (the training path; no ``--rows``)::
 
@@ -288,7 +290,9 @@ def verdict(a: dict, b: dict) -> str:
 # benchmarks/reference/surgical.py, the others benchmarks/reference/semisup.py
 METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False), "isofed_nopt": ("isofed_nopt", False),
                "surgical": ("surgical", False),
-               "mt_wfedavg": ("mt_wfedavg", False)}
+               "mt_wfedavg": ("mt_wfedavg", False), "fedmix": ("fedmix", False)}
+# the kind of preset each row's reference trains (the others: classification)
+ROW_KIND = {"surgical": "multilabel", "fedmix": "segmentation"}
 SEED_OFFSET = 1000  # the project's second training seed on split s is s + SEED_OFFSET
 # The project's strong view is its weak view further transformed (fedlabels.site.TwoViews); a second random
 # left-right flip of the flipped view is, in distribution, a second independent flip: RSCFed's second weak view.
@@ -305,6 +309,8 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         raise ValueError(f"row {row!r}: the method references cover {sorted(METHOD_ROWS)}")
     if row == "surgical":
         return surgical_settings(preset, s)
+    if row == "fedmix":
+        return fedmix_settings(preset, s)
     if s["distance"] != "paper":
         raise ValueError(f"distance {s['distance']!r}: the project implements the paper's (the flattened model)")
     bundle = reference_settings(preset)  # the preset's scaling and weak augmentation, as the reference names them
@@ -342,20 +348,36 @@ def surgical_settings(preset: str, s: dict) -> dict:
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
 
 
+def fedmix_settings(preset: str, s: dict) -> dict:
+    """The project's ``fedmix`` row with the reference's settings ``s`` (fedmix.CHECK: the paper's, the released
+    code's where it prints none). The reference augments as the preset does (a random 90-degree turn and flip)."""
+    if REFERENCES[preset][0] != "segmentation":
+        raise ValueError(f"fedmix: a segmentation preset, not {preset!r}")
+    if s["dice_eps"] > 1e-3:
+        raise ValueError(f"dice_eps {s['dice_eps']}: the project's soft Dice smooths by 1e-5; a larger eps is "
+                         "another loss")
+    client = {"optimizer": "adam", "lr": s["lr"], "weight_decay": s["weight_decay"],
+              "reset_optimizer": not s["carry_optimizer"], "epsilon": s["epsilon"], "box_rule": s["box_rule"],
+              "threshold": s["threshold"]}
+    server = {"lam": s["lam"], "beta": s["beta"]}
+    opts = [f"fedmix:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
+    return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
+
+
 def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
-                    log=print, settings: dict | None = None) -> dict:
+                    log=print, settings: dict | None = None, image_size: int | None = None) -> dict:
     """One split, one row: the project twice (training seeds ``split`` and ``split + SEED_OFFSET``) and the
     method reference once (seed ``split``), one after the other in this process."""
-    from reference import semisup, surgical
+    from reference import fedmix, semisup, surgical
 
-    reference = surgical if row == "surgical" else semisup
+    reference = {"surgical": surgical, "fedmix": fedmix}.get(row, semisup)
     s = {**reference.CHECK, **(settings or {})}
     proj = project_settings(preset, row, s)
     runs = []
     for seed in (split, split + SEED_OFFSET):
         run = project_cell(preset, data, seed, rounds, eval_rounds, work / f"seed{seed}", config=proj["config"],
                            log=log, method=row, opts=proj["opts"], batch_size=proj["batch_size"],
-                           local_epochs=proj["local_epochs"])
+                           local_epochs=proj["local_epochs"], image_size=image_size)
         run["metrics"] = {str(k): v for k, v in run["metrics"].items()}
         runs.append({**run, "train_seed": seed})
     method, oracle = METHOD_ROWS[row]
@@ -363,11 +385,14 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
         bundle = reference_settings(preset)
         ref = surgical.run(data, rounds, set(eval_rounds), seed=split, log=log, scaling=bundle["scaling"],
                            widen=bundle.get("widen", 1.0), **s)
+    elif reference is fedmix:
+        ref = fedmix.run(data, rounds, set(eval_rounds), seed=split, log=log, **s)
     else:
         ref = semisup.run(data, method, rounds, set(eval_rounds), seed=split, oracle=oracle, log=log, **(settings or {}))
     ref["metrics"] = {str(k): v for k, v in ref["metrics"].items()}
     return {"kind": "methods", "preset": preset, "row": row, "metric": REFERENCES[preset][1],
-            "data": str(data), "seed": split, "rounds": rounds, "reference": s, "project_options": proj,
+            "data": str(data), "seed": split, "rounds": rounds, "image_size": image_size, "reference": s,
+            "project_options": proj,
             "projects": runs, "reference_run": ref}
 
 
@@ -506,7 +531,17 @@ def _fedavg_section(label, scaling, cs, tolerance) -> list:
 
 
 def _settings_text(s: dict, row: str) -> str:
-    from reference import semisup, surgical
+    from reference import fedmix, semisup, surgical
+
+    if row == "fedmix":
+        used = ", ".join(f"{k} {v}" for k, v in s.items())
+        left = "; ".join(f"{k}: {v}" for k, v in fedmix.LEFT_OUT.items())
+        return (f"Both sides train with the reference's settings (`benchmarks/reference/fedmix.py` `CHECK`, the "
+                f"paper's values, or the released code's where the paper prints none; their sources are its "
+                f"`PAPER`): {used}. The reference follows Algorithm 1: each round a site's cases are pseudo-labelled "
+                f"once by the received F1 and F2, selected by Eq. 2, and the kept cases re-batched; the project "
+                f"selects within each batch. The project's row is given the settings as options (`project_options` "
+                f"in each cell). Not the paper's, and what runs instead: {left}.")
 
     if row == "surgical":
         used = ", ".join(f"{k} {v}" for k, v in s.items())
@@ -541,7 +576,7 @@ def _methods_section(label, preset, cs_all, tolerance) -> list:
              "seed-to-seed. Metric: the last model's test metric, mean ± sd over splits"
              + ("; `classes` = classes predicted for at least one test case, per split (A / B / reference)."
                 if metric == "accuracy" else "."), ""]
-    for m in (metric, "auroc") if metric != "auroc" else (metric,):
+    for m in (metric, "auroc") if metric == "accuracy" else (metric,):
         classes = m == "accuracy"  # classes predicted: a multi-class model's (a multi-label one scores every class)
         lines += [f"| row | round | project A {m} | project B {m} | reference {m} | "
                   + CRITERIA_HEAD.format(m=f"{100 * tol:.0f}") + (" | classes |" if classes else " |"),
@@ -644,9 +679,10 @@ def main(argv=None) -> None:
                     help="the project side augments each case in the loader (the chest X-ray bundles' RandAffined and "
                          "RandAdjustContrastd) instead of the preset's per-batch augmentation: what the batching saves")
     ap.add_argument("--rows", help="comma-separated project rows checked against the method references "
-                                   f"(benchmarks/reference/semisup.py, surgical.py): {', '.join(METHOD_ROWS)}; each split runs the "
-                                   f"project with training seeds s and s + {SEED_OFFSET} and the reference once, "
-                                   "with the reference's settings (semisup.CHECK, surgical.CHECK)")
+                                   f"(benchmarks/reference/semisup.py, surgical.py, fedmix.py): {', '.join(METHOD_ROWS)}; "
+                                   f"each split runs the project with training seeds s and s + {SEED_OFFSET} and the "
+                                   "reference once, with the reference's settings (semisup.CHECK, surgical.CHECK, "
+                                   "fedmix.CHECK)")
     ap.add_argument("--two-seeds", action="store_true",
                     help=f"run the project twice per split (training seeds s and s + {SEED_OFFSET}): criterion (b)")
     ap.add_argument("--table-only", action="store_true", help="rewrite reference_check.md from the finished cells")
@@ -709,13 +745,13 @@ def main_methods(args) -> None:
     """``--rows``: one cell per (row, split), resumable, one after the other."""
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     kind = REFERENCES[args.preset][0]
-    wrong = [r for r in rows if (kind == "multilabel") != (r == "surgical")]
-    if wrong:
-        raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical: a multi-label "
-                         "preset; the others: a classification preset)")
     unknown = [r for r in rows if r not in METHOD_ROWS]
     if unknown:
         raise SystemExit(f"--rows {unknown}: the method references cover {sorted(METHOD_ROWS)}")
+    wrong = [r for r in rows if ROW_KIND.get(r, "classification") != kind]
+    if wrong:
+        raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical: a multi-label "
+                         "preset; fedmix: a segmentation preset; the others: a classification preset)")
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     seeds, eval_rounds = _splits(args)
@@ -729,7 +765,7 @@ def main_methods(args) -> None:
             load_before = os.getloadavg()[0]
             result = compare_methods(args.preset, row, Path(args.data.replace("{seed}", str(seed))), seed,
                                      args.rounds, eval_rounds, out / "work" / f"{args.label}-{row.replace(':', '_')}",
-                                     log=lambda m: print(m, flush=True))
+                                     log=lambda m: print(m, flush=True), image_size=args.image_size)
             result["label"] = args.label
             result["load"] = (load_before, os.getloadavg()[0])
             _write_atomic(cell, json.dumps(result, indent=1, default=_json_default))

@@ -411,3 +411,80 @@ def test_a_diverged_site_is_left_out_of_its_group():
     assert dropped == ["U2"] and sites[0].seen == [1.0] and new["w"].item() == pytest.approx(11.0)
     every = [Stub("L1", True, 10, float("nan"))]
     assert ref.one_round("wfedavg", every, {"w": t([3.0])}, SCALE0, None)["w"].item() == 3.0  # start kept
+
+
+# ---------------------------------------------------------------- FedMix (benchmarks/reference/fedmix.py)
+
+
+def test_fedmix_reference_rules_by_hand():
+    from reference import fedmix as rf
+
+    box = torch.zeros(1, 1, 4, 4)
+    box[..., :2, :] = 1                       # the box: the top 8 pixels
+    y1 = torch.zeros(1, 1, 4, 4)
+    y1[..., 0, :] = 1                         # 4 pixels inside it
+    y2 = y1.clone()
+    y2[..., 0, 0] = 0                         # 3 of them: dice(y1, y2) = 6 / 7
+    assert float(rf.dice(y1, y2, 0.0)) == pytest.approx(6 / 7)
+    assert float(rf.dice(torch.zeros_like(y1), torch.zeros_like(y1), 1e-4)) == 1.0  # two empty labels agree
+    assert bool(rf.keep(y1, y2, box, rf.NONE, 0.85, True, 0.0)) and not rf.keep(y1, y2, box, rf.NONE, 0.9, True, 0.0)
+    # dice(y1, box) = 8 / 12 >= 0.5: kept; a box twice as large (16 px) gives 8 / 20 < 0.5: dropped
+    assert bool(rf.keep(y1, y1, box, rf.BOX, 0.9, True, 0.0))
+    assert not rf.keep(y1, y1, torch.ones_like(box), rf.BOX, 0.9, True, 0.0)
+    assert bool(rf.keep(y1, y1, torch.ones_like(box), rf.BOX, 0.9, False, 0.0))
+    assert not rf.keep(y1, y1, torch.zeros_like(box), rf.IMAGE, 0.9, True, 0.0)  # tagged background only
+    assert torch.equal(rf.refine(y1, box * 0, rf.BOX), torch.zeros_like(y1))
+    assert torch.equal(rf.refine(y1, box * 0, rf.NONE), y1)
+    # Eqs. 4-5: n = (10, 30), L = (0.2, 0.4), beta 2, lam 1: c = (.25, .75), d = (.2, .8), w = (.45, 1.55) / 2
+    np.testing.assert_allclose(rf.adaptive_weights([10, 30], [0.2, 0.4], 1.0, 2.0), [0.225, 0.775])
+
+
+def test_project_fedmix_client_equals_the_reference_over_two_rounds():
+    """FedMix's box site, two rounds with Adam carried: the received F1, F2 pseudo-label the cases, refine them
+    by the boxes, keep those Eq. 2 keeps (some are dropped here), and train F1 on F2's label and F2 on F1's. One
+    batch holding every case and no augmentation, so the reference's re-batching of the kept cases and the
+    project's selection within its batch train on the same cases."""
+    from fedlabels.methods import get
+    from fedlabels.methods.base import to_numpy
+    from fedlabels.methods.fedmix import BOX
+    from fedlabels.nets import TwinUNet
+    from fedlabels.profile import SiteProfile
+    from reference import fedmix as rf
+
+    g = torch.Generator().manual_seed(5)
+    n = 8
+    x = torch.rand(n, 1, 16, 16, generator=g)
+    prior = torch.zeros(n, 1, 16, 16)
+    for i in range(n):  # boxes from 4x4 to the whole image
+        side = 4 + 2 * i
+        prior[i, 0, :side, :side] = 1
+    # epsilon 0.4 with this draw: round 0 keeps cases 0 and 1, drops 2 and 4-7 (they disagree) and 3 (its F1
+    # label covers under half its box: the box rule)
+    s = {**rf.CHECK, "lr": 0.01, "epsilon": 0.4, "batch_size": n, "dice_eps": 1e-5}
+    profile = SiteProfile("site-1", "segmentation", ("lesion",), ("lesion",), "bbox")
+    ctx = site_context(profile, [{"image": x, "label": prior, "level": torch.full((n,), BOX)}],
+                       {"supervision": "bbox", "labeled": True, "cases": n})
+    torch.manual_seed(1)
+    net = TwinUNet(in_channels=1, features=(4, 4, 4, 4, 4, 4), num_groups=2)
+    start = to_numpy(net.state_dict())
+    client = get("fedmix").make_client(net, ctx, epsilon=s["epsilon"], box_rule=s["box_rule"],
+                                       threshold=s["threshold"], optimizer="adam", lr=s["lr"],
+                                       weight_decay=s["weight_decay"], reset_optimizer=not s["carry_optimizer"])
+    rnet = TwinUNet(in_channels=1, features=(4, 4, 4, 4, 4, 4), num_groups=2)
+    ropt = torch.optim.Adam(list(rnet.f1.parameters()) + list(rnet.f2.parameters()), lr=s["lr"],
+                            weight_decay=s["weight_decay"])
+    gen = torch.Generator().manual_seed(0)
+    weights, kept = start, []
+    for rnd in (0, 1):
+        update = client.train(weights, rnd)
+        rnet.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()})
+        xs, r1, r2 = rf.sample_and_refine(rnet.f1, rnet.f2, x, prior, rf.BOX, s, gen, augment=False)
+        kept.append(len(xs))
+        assert update.n == len(xs)
+        loss = rf.update(rnet.f1, rnet.f2, ropt, xs, r2, r1, s, gen, augment=False)
+        assert update.metrics["train_loss"] == pytest.approx(loss / 2, abs=1e-5)  # the project's: the mean of two
+        for k, v in rnet.state_dict().items():
+            np.testing.assert_allclose(update.weights[k], v.detach().numpy(), rtol=0, atol=1e-5,
+                                       err_msg=f"round {rnd} {k}")
+        weights = {k: np.asarray(v) + 0.01 * (np.asarray(v).dtype.kind == "f") for k, v in update.weights.items()}
+    assert all(0 < k < n for k in kept), kept  # the selection dropped some cases and kept others
