@@ -290,9 +290,10 @@ def verdict(a: dict, b: dict) -> str:
 # benchmarks/reference/surgical.py, the others benchmarks/reference/semisup.py
 METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False), "isofed_nopt": ("isofed_nopt", False),
                "surgical": ("surgical", False),
-               "mt_wfedavg": ("mt_wfedavg", False), "fedmix": ("fedmix", False)}
+               "mt_wfedavg": ("mt_wfedavg", False), "fedmix": ("fedmix", False),
+               "oracle:fedadaptagg": ("fedadaptagg", True)}
 # the kind of preset each row's reference trains (the others: classification)
-ROW_KIND = {"surgical": "multilabel", "fedmix": "segmentation"}
+ROW_KIND = {"surgical": "multilabel", "fedmix": "segmentation", "oracle:fedadaptagg": "segmentation"}
 SEED_OFFSET = 1000  # the project's second training seed on split s is s + SEED_OFFSET
 # The project's strong view is its weak view further transformed (fedlabels.site.TwoViews); a second random
 # left-right flip of the flipped view is, in distribution, a second independent flip: RSCFed's second weak view.
@@ -309,8 +310,8 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         raise ValueError(f"row {row!r}: the method references cover {sorted(METHOD_ROWS)}")
     if row == "surgical":
         return surgical_settings(preset, s)
-    if row == "fedmix":
-        return fedmix_settings(preset, s)
+    if ROW_KIND.get(row) == "segmentation":
+        return fedmix_settings(preset, row, s)
     if s["distance"] != "paper":
         raise ValueError(f"distance {s['distance']!r}: the project implements the paper's (the flattened model)")
     bundle = reference_settings(preset)  # the preset's scaling and weak augmentation, as the reference names them
@@ -348,19 +349,21 @@ def surgical_settings(preset: str, s: dict) -> dict:
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
 
 
-def fedmix_settings(preset: str, s: dict) -> dict:
-    """The project's ``fedmix`` row with the reference's settings ``s`` (fedmix.CHECK: the paper's, the released
-    code's where it prints none). The reference augments as the preset does (a random 90-degree turn and flip)."""
+def fedmix_settings(preset: str, row: str, s: dict) -> dict:
+    """The project's ``fedmix`` or ``oracle:fedadaptagg`` row with the reference's settings ``s`` (fedmix.CHECK:
+    the paper's, the released code's where it prints none). The reference augments as the preset does (a random
+    90-degree turn and flip)."""
     if REFERENCES[preset][0] != "segmentation":
         raise ValueError(f"fedmix: a segmentation preset, not {preset!r}")
     if s["dice_eps"] > 1e-3:
         raise ValueError(f"dice_eps {s['dice_eps']}: the project's soft Dice smooths by 1e-5; a larger eps is "
                          "another loss")
     client = {"optimizer": "adam", "lr": s["lr"], "weight_decay": s["weight_decay"],
-              "reset_optimizer": not s["carry_optimizer"], "epsilon": s["epsilon"], "box_rule": s["box_rule"],
-              "threshold": s["threshold"]}
+              "reset_optimizer": not s["carry_optimizer"]}
+    if row == "fedmix":
+        client |= {"epsilon": s["epsilon"], "box_rule": s["box_rule"], "threshold": s["threshold"]}
     server = {"lam": s["lam"], "beta": s["beta"]}
-    opts = [f"fedmix:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
+    opts = [f"{row}:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
 
 
@@ -370,7 +373,7 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
     method reference once (seed ``split``), one after the other in this process."""
     from reference import fedmix, semisup, surgical
 
-    reference = {"surgical": surgical, "fedmix": fedmix}.get(row, semisup)
+    reference = {"multilabel": surgical, "segmentation": fedmix}.get(ROW_KIND.get(row), semisup)
     s = {**reference.CHECK, **(settings or {})}
     proj = project_settings(preset, row, s)
     runs = []
@@ -386,7 +389,7 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
         ref = surgical.run(data, rounds, set(eval_rounds), seed=split, log=log, scaling=bundle["scaling"],
                            widen=bundle.get("widen", 1.0), **s)
     elif reference is fedmix:
-        ref = fedmix.run(data, rounds, set(eval_rounds), seed=split, log=log, **s)
+        ref = fedmix.run(data, rounds, set(eval_rounds), seed=split, method=method, oracle=oracle, log=log, **s)
     else:
         ref = semisup.run(data, method, rounds, set(eval_rounds), seed=split, oracle=oracle, log=log, **(settings or {}))
     ref["metrics"] = {str(k): v for k, v in ref["metrics"].items()}
@@ -533,15 +536,19 @@ def _fedavg_section(label, scaling, cs, tolerance) -> list:
 def _settings_text(s: dict, row: str) -> str:
     from reference import fedmix, semisup, surgical
 
-    if row == "fedmix":
+    if ROW_KIND.get(row) == "segmentation":
         used = ", ".join(f"{k} {v}" for k, v in s.items())
         left = "; ".join(f"{k}: {v}" for k, v in fedmix.LEFT_OUT.items())
         return (f"Both sides train with the reference's settings (`benchmarks/reference/fedmix.py` `CHECK`, the "
                 f"paper's values, or the released code's where the paper prints none; their sources are its "
-                f"`PAPER`): {used}. The reference follows Algorithm 1: each round a site's cases are pseudo-labelled "
-                f"once by the received F1 and F2, selected by Eq. 2, and the kept cases re-batched; the project "
-                f"selects within each batch. The project's row is given the settings as options (`project_options` "
-                f"in each cell). Not the paper's, and what runs instead: {left}.")
+                f"`PAPER`): {used}"
+                + (". The reference follows Algorithm 1: each round a site's cases are pseudo-labelled once by the "
+                   "received F1 and F2, selected by Eq. 2, and the kept cases re-batched; the project selects within "
+                   "each batch" if row == "fedmix" else
+                   " (epsilon, threshold and box_rule are FedMix's; FedAdaptAgg trains one network on every site's "
+                   "masks and aggregates by Eqs. 4-5)")
+                + f". The project's row is given the settings as options (`project_options` in each cell). Not the "
+                f"paper's, and what runs instead: {left}.")
 
     if row == "surgical":
         used = ", ".join(f"{k} {v}" for k, v in s.items())

@@ -13,6 +13,9 @@ nothing. Each round, at each site:
    refined label and F2 from F1's, the soft Dice loss of Eq. 1.
 3. **Aggregate** (Eqs. 4-5): w_i from the kept-case counts and the sites' mean training loss.
 
+FedAdaptAgg (``method="fedadaptagg"``, the paper's baseline) is step 3 with plain supervised training of
+one network on the pixel-labeled cases (``oracle=True``: every site's masks, the paper's [L, L, L] row).
+
 A site that keeps no case sends nothing that round (weight 0; the released code would train it on a
 stale loader). Images and masks are read as ``fedavg_segmentation`` reads them (each image scaled by
 its own min and max; its U-Net of MONAI's BasicUNet layout, written out there), and the test metric
@@ -115,20 +118,22 @@ def sample_and_refine(f1, f2, x, prior, level: str, s: dict, gen: torch.Generato
     return xv[ok], y1[ok], y2[ok]
 
 
-def update(f1, f2, opt, x, t1, t2, s: dict, gen: torch.Generator, augment: bool) -> float:
-    """One epoch on the kept cases in shuffled batches: F1 learns t1 (F2's label), F2 learns t2 (F1's); pixel
-    sites give the mask as both and are augmented here. Returns the mean over batches of Eq. 1."""
-    f1.train(), f2.train()
+def update(nets, opt, x, targets, s: dict, gen: torch.Generator, augment: bool) -> float:
+    """One epoch on the kept cases in shuffled batches, network j learning ``targets[j]``: FedMix's F1 learns F2's
+    label and F2 F1's; at a pixel site every network learns the mask, augmented here. Returns the mean over
+    batches of the summed soft Dice losses (Eq. 1 for FedMix)."""
+    for net in nets:
+        net.train()
     losses = []
     for _ in range(s["epochs"]):
         order = torch.randperm(len(x), generator=gen)
         for i in range(0, len(x), s["batch_size"]):
             idx = order[i:i + s["batch_size"]]
-            xb, a, b = x[idx], t1[idx], t2[idx]
+            xb, ts = x[idx], [t[idx] for t in targets]
             if augment:
-                xb, ab = dihedral_pair(xb, torch.cat([a, b], 1), gen)
-                a, b = ab[:, :1], ab[:, 1:]
-            loss = soft_dice_loss(f1(xb), a, s["dice_eps"]) + soft_dice_loss(f2(xb), b, s["dice_eps"])
+                xb, tb = dihedral_pair(xb, torch.cat(ts, 1), gen)
+                ts = list(tb.split(1, 1))
+            loss = sum(soft_dice_loss(net(xb), t, s["dice_eps"]) for net, t in zip(nets, ts))
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -136,9 +141,12 @@ def update(f1, f2, opt, x, t1, t2, s: dict, gen: torch.Generator, augment: bool)
     return float(np.mean(losses))
 
 
-def read_site(folder: Path):
+def read_site(folder: Path, oracle: bool = False):
     """A site's training cases: images (N, 3, H, W), its supervision level, and per case the mask (pixel sites)
-    or the prior its weak label gives (boxes [x0, y0, x1, y1, class], exclusive ends, x along the columns)."""
+    or the prior its weak label gives (boxes [x0, y0, x1, y1, class], exclusive ends, x along the columns).
+    ``oracle``: every case with its mask (``oracle.json``), the fully supervised rows."""
+    if oracle:
+        return (*load_split(folder, json.loads((folder / "oracle.json").read_text())["training"]), PIXEL)
     items = json.loads((folder / "datalist.json").read_text())["training"]
     levels = {it.get("supervision", NONE) for it in items}
     if len(levels) != 1 or not levels <= {PIXEL, BOX, IMAGE, NONE}:
@@ -162,50 +170,62 @@ def read_site(folder: Path):
     return x, prior, level
 
 
-def run(data, rounds: int, eval_rounds, seed: int = 0, log=print, **settings) -> dict:
-    """FedMix over the prepared scenario ``data`` (``settings`` over ``CHECK``): F1's test Dice per eval round."""
+METHODS = ("fedmix", "fedadaptagg")
+
+
+def run(data, rounds: int, eval_rounds, seed: int = 0, method: str = "fedmix", oracle: bool = False, log=print,
+        **settings) -> dict:
+    """FedMix, or FedAdaptAgg (``method``: the adaptive aggregation with plain supervised training of one network
+    on the pixel-labeled cases; ``oracle``: every site's masks), over the prepared scenario ``data``
+    (``settings`` over ``CHECK``): the test Dice of F1 (FedAdaptAgg: its network) per eval round."""
+    if method not in METHODS:
+        raise ValueError(f"method {method!r}: one of {METHODS}")
     s = {**CHECK, **settings}
     data = Path(data)
     scenario = yaml.safe_load((data / "scenario.yaml").read_text())
-    sites = [read_site(data / name) for name in scenario["sites"]]
+    sites = [read_site(data / name, oracle) for name in scenario["sites"]]
     if not any(level == PIXEL for _, _, level in sites):
-        raise ValueError(f"{data}: FedMix needs a site with pixel masks")
+        raise ValueError(f"{data}: {method} needs a site with pixel masks")
     test = load_split(data / "test", json.loads((data / "test" / "datalist.json").read_text())["testing"])
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    glob = {"f1": UNet(), "f2": UNet()}  # two independent draws: F1 and F2 must start different
+    names = ("f1", "f2") if method == "fedmix" else ("f1",)
+    glob = {name: UNet() for name in names}  # FedMix: two independent draws, F1 and F2 must start different
     opts = {}
     out, seconds, weights_log = {}, [], []
     for rnd in range(1, rounds + 1):
         t0 = time.perf_counter()
         states, counts, losses, kept = [], [], [], [0] * len(sites)
         for k, (x, y, level) in enumerate(sites):
-            f1, f2 = UNet(), UNet()
-            f1.load_state_dict(glob["f1"].state_dict()), f2.load_state_dict(glob["f2"].state_dict())
-            params = list(f1.parameters()) + list(f2.parameters())
-            opt = torch.optim.Adam(params, lr=s["lr"], weight_decay=s["weight_decay"])
+            nets = [UNet() for _ in names]
+            for net, name in zip(nets, names):
+                net.load_state_dict(glob[name].state_dict())
+            opt = torch.optim.Adam([p for net in nets for p in net.parameters()], lr=s["lr"],
+                                   weight_decay=s["weight_decay"])
             if s["carry_optimizer"] and k in opts:  # Adam's moments carried: the state only, onto the new tensors
                 opt.load_state_dict(opts[k])
             if level == PIXEL:
-                xs, t1, t2, augment = x, y, y, True
+                xs, targets, augment = x, [y] * len(names), True
+            elif method == "fedmix":
+                xs, r1, r2 = sample_and_refine(*nets, x, y, level, s, gen)
+                xs, targets, augment = xs, [r2, r1], False  # F1 learns F2's refined label, F2 learns F1's
             else:
-                xs, r1, r2 = sample_and_refine(f1, f2, x, y, level, s, gen)
-                xs, t1, t2, augment = xs, r2, r1, False  # F1 learns F2's refined label, F2 learns F1's
+                continue  # FedAdaptAgg trains on masks only
             if len(xs) == 0:
                 continue  # nothing kept: no update this round
-            losses.append(update(f1, f2, opt, xs, t1, t2, s, gen, augment))
+            losses.append(update(nets, opt, xs, targets, s, gen, augment))
             opts[k] = opt.state_dict()
             counts.append(len(xs))
-            states.append((f1.state_dict(), f2.state_dict()))
+            states.append([net.state_dict() for net in nets])
             kept[k] = len(xs)
         w = adaptive_weights(counts, losses, s["lam"], s["beta"])
         weights_log.append([round(float(v), 4) for v in w])
-        for j, name in enumerate(("f1", "f2")):
+        for j, name in enumerate(names):
             glob[name].load_state_dict({key: sum(float(wi) * st[j][key].double() for wi, st in zip(w, states))
                                         .to(states[0][j][key].dtype) for key in states[0][j]})
         seconds.append(time.perf_counter() - t0)
         if rnd in eval_rounds:
             out[rnd] = {"dice": test_dice(glob["f1"], *test), "kept": kept}
-            log(f"[reference] fedmix seed {seed} round {rnd}: {out[rnd]}")
+            log(f"[reference] {method} seed {seed} round {rnd}: {out[rnd]}")
     return {"metrics": out, "seconds_per_round": float(np.mean(seconds)), "seconds": seconds,
             "weights": weights_log}

@@ -437,6 +437,13 @@ def test_fedmix_reference_rules_by_hand():
     assert torch.equal(rf.refine(y1, box * 0, rf.NONE), y1)
     # Eqs. 4-5: n = (10, 30), L = (0.2, 0.4), beta 2, lam 1: c = (.25, .75), d = (.2, .8), w = (.45, 1.55) / 2
     np.testing.assert_allclose(rf.adaptive_weights([10, 30], [0.2, 0.4], 1.0, 2.0), [0.225, 0.775])
+    # the project's server rule gives the same weights on other inputs
+    from fedlabels.methods.fedmix import adaptive_weights
+
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        n, loss = rng.integers(1, 50, 4), rng.uniform(0.05, 0.9, 4)
+        np.testing.assert_allclose(adaptive_weights(n, loss, 10.0, 2.5), rf.adaptive_weights(n, loss, 10.0, 2.5))
 
 
 def test_project_fedmix_client_equals_the_reference_over_two_rounds():
@@ -481,7 +488,7 @@ def test_project_fedmix_client_equals_the_reference_over_two_rounds():
         xs, r1, r2 = rf.sample_and_refine(rnet.f1, rnet.f2, x, prior, rf.BOX, s, gen, augment=False)
         kept.append(len(xs))
         assert update.n == len(xs)
-        loss = rf.update(rnet.f1, rnet.f2, ropt, xs, r2, r1, s, gen, augment=False)
+        loss = rf.update([rnet.f1, rnet.f2], ropt, xs, [r2, r1], s, gen, augment=False)
         assert update.metrics["train_loss"] == pytest.approx(loss / 2, abs=1e-5)  # the project's: the mean of two
         for k, v in rnet.state_dict().items():
             np.testing.assert_allclose(update.weights[k], v.detach().numpy(), rtol=0, atol=1e-5,
