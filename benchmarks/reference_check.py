@@ -690,6 +690,9 @@ def main(argv=None) -> None:
                                    f"each split runs the project with training seeds s and s + {SEED_OFFSET} and the "
                                    "reference once, with the reference's settings (semisup.CHECK, surgical.CHECK, "
                                    "fedmix.CHECK)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="with --rows: a reference setting instead of its CHECK value (a JSON value, e.g. beta=3, "
+                         "carry_optimizer=false); both sides train with it")
     ap.add_argument("--two-seeds", action="store_true",
                     help=f"run the project twice per split (training seeds s and s + {SEED_OFFSET}): criterion (b)")
     ap.add_argument("--table-only", action="store_true", help="rewrite reference_check.md from the finished cells")
@@ -701,6 +704,8 @@ def main(argv=None) -> None:
         return
     if args.rows:
         return main_methods(args)
+    if args.set:
+        ap.error("--set: a method reference's setting; give it with --rows")
     config = None
     if args.per_case_augmentation:
         if REFERENCES[args.preset][0] != "multilabel":
@@ -748,6 +753,27 @@ def _splits(args) -> tuple:
     return seeds, eval_rounds
 
 
+def _settings(items: list, rows: list) -> dict:
+    """``--set KEY=VALUE`` items as reference settings; a key the rows' references do not have stops here."""
+    from reference import fedmix, semisup, surgical
+
+    known = {"multilabel": surgical.CHECK, "segmentation": fedmix.CHECK}
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: KEY=VALUE")
+        for row in rows:
+            check = known.get(ROW_KIND.get(row), semisup.CHECK)
+            if key not in check:
+                raise SystemExit(f"--set {key}: not a setting of row {row}'s reference ({', '.join(check)})")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def main_methods(args) -> None:
     """``--rows``: one cell per (row, split), resumable, one after the other."""
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -759,6 +785,7 @@ def main_methods(args) -> None:
     if wrong:
         raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical: a multi-label "
                          "preset; fedmix: a segmentation preset; the others: a classification preset)")
+    settings = _settings(args.set, rows)
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     seeds, eval_rounds = _splits(args)
@@ -772,7 +799,8 @@ def main_methods(args) -> None:
             load_before = os.getloadavg()[0]
             result = compare_methods(args.preset, row, Path(args.data.replace("{seed}", str(seed))), seed,
                                      args.rounds, eval_rounds, out / "work" / f"{args.label}-{row.replace(':', '_')}",
-                                     log=lambda m: print(m, flush=True), image_size=args.image_size)
+                                     log=lambda m: print(m, flush=True), image_size=args.image_size,
+                                     settings=settings)
             result["label"] = args.label
             result["load"] = (load_before, os.getloadavg()[0])
             _write_atomic(cell, json.dumps(result, indent=1, default=_json_default))

@@ -207,6 +207,34 @@ def test_the_project_rows_get_the_references_settings():
     assert float(other["momentum"]) == 0.5 and other["clip_grad_norm"] == "null"
 
 
+def test_the_fedmix_rows_get_the_references_settings_and_set_changes_both_sides():
+    import reference_check as rc
+    from reference import fedmix
+
+    def opts(row, s):
+        got = rc.project_settings("fedmix", row, s)
+        assert got["batch_size"] == s["batch_size"] and got["local_epochs"] == s["epochs"] and got["config"] == {}
+        assert all(o.startswith(f"{row}:") for o in got["opts"])
+        return dict(o.split(":", 1)[1].rsplit(":", 1)[-1].split("=", 1) for o in got["opts"])
+
+    s = dict(fedmix.CHECK)
+    got = opts("fedmix", s)
+    assert got["optimizer"] == '"adam"' and float(got["lr"]) == 1e-3 and float(got["weight_decay"]) == 1e-4
+    assert got["reset_optimizer"] == "false" and float(got["epsilon"]) == 0.9 and got["box_rule"] == "true"
+    assert float(got["lam"]) == 10.0 and float(got["beta"]) == 2.5 and float(got["threshold"]) == 0.5
+    upper = opts("oracle:fedadaptagg", s)
+    assert "epsilon" not in upper and float(upper["beta"]) == 2.5
+    # --set reaches the reference's settings and through them the project's options
+    changed = rc._settings(["beta=3", "carry_optimizer=false"], ["fedmix", "oracle:fedadaptagg"])
+    assert changed == {"beta": 3, "carry_optimizer": False}
+    got = opts("fedmix", {**s, **changed})
+    assert float(got["beta"]) == 3 and got["reset_optimizer"] == "true"
+    with pytest.raises(SystemExit, match="epsilon: not a setting of row isofed"):
+        rc._settings(["epsilon=0.5"], ["fedmix", "isofed"])
+    with pytest.raises(ValueError, match="dice_eps"):
+        rc.project_settings("fedmix", "fedmix", {**s, "dice_eps": 0.5})
+
+
 def test_one_class_everywhere_reads_every_run_of_both_sides():
     import reference_check as rc
 
