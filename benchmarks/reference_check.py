@@ -459,11 +459,9 @@ COVERAGE = [
     ("`isofed` preset, PneumoniaMNIST / BloodMNIST, every L:U and gamma (`isofed-preset`, `isofed-pretraining`)",
      "`oracle:fedavg` with the preset on PneumoniaMNIST gamma 0.8 and BloodMNIST gamma 0.5 (two training seeds per "
      "split). The `isofed` and `oracle:wfedavg` rows against the method references on PneumoniaMNIST "
-     "gamma 0.8 and BloodMNIST gamma 0.5, 1 labeled : 3 unlabeled, `mt_wfedavg` on PneumoniaMNIST only, each with "
-     "the reference's settings (RSCFed's released values where the project can express them; the BloodMNIST "
-     "cells without the unlabeled sites' lr and the clipping, each cell's `project_options` says), not with the "
-     "preset's Adam 1e-3; `rscfed`, `isofed_nopt`, the other L:U and gamma, and every row with the preset's "
-     "settings unchecked"),
+     "gamma 0.8 and BloodMNIST gamma 0.5, 1 labeled : 3 unlabeled, with `mt_wfedavg`, each with the reference's "
+     "settings (RSCFed's released values where the project can express them), not with the preset's Adam 1e-3; "
+     "`rscfed`, `isofed_nopt`, the other L:U and gamma, and every row with the preset's settings unchecked"),
     ("`partial_label_study` (embedded chest X-rays; BloodMNIST with per-image min-max scaling)", "unchecked"),
     ("`bench_cxr` at 64 px", "unchecked (the `cxr` check runs 32 px)"),
     ("`fedmlp`, `fedmlp-preset`, `fedmlp-scale`, `fedmlp-cxr` (FedMLP, FedPSL, Surgical and the other multi-label rows)",
@@ -472,8 +470,11 @@ COVERAGE = [
      "(`fedmlp-preset`'s missing-7 level), not with the preset's settings; FedMLP, FedPSL and the other "
      "multi-label rows unchecked"),
     ("`fedmix-ph2`, `fedmix-lesion` (FedMix, FedST, FedAvg)",
-     "the upper bound's training path on PH2 at 32 px only (`oracle:fedavg`, two training seeds); no method row: "
-     "FedMix, FedST and FedAdaptAgg unchecked"),
+     "on PH2 at 32 px: the upper bound's training path (`oracle:fedavg`, two training seeds); `fedmix` [U, U, L] "
+     "and [B, B, L] and `oracle:fedadaptagg` against their reference (`benchmarks/reference/fedmix.py`) with the "
+     "reference's settings (the paper's beta 2.5 for skin, Adams kept across rounds as in the released code), "
+     "and [U, U, L] `fedmix` again with the plan's settings (beta 3, a fresh Adam each round: the published row); "
+     "FedST, the other FedMix settings and ablations, and the embedded lesion scenario unchecked"),
     ("`isofed`, `isofed-100`, `fedmlp` (bundle defaults, the old per-image min-max scaling)",
      "kept for the record; unchecked (the `minmax` sections are diagnostics)"),
 ]
