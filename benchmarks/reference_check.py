@@ -473,7 +473,7 @@ COVERAGE = [
      "on PH2 at 32 px: the upper bound's training path (`oracle:fedavg`, two training seeds); `fedmix` [U, U, L] "
      "and [B, B, L] and `oracle:fedadaptagg` against their reference (`benchmarks/reference/fedmix.py`) with the "
      "reference's settings (the paper's beta 2.5 for skin, Adams kept across rounds as in the released code), "
-     "and [U, U, L] `fedmix` again with the plan's settings (beta 3, a fresh Adam each round: the published row); "
+     "and both again with the plan's beta 3 (the published rows: the plan also keeps each site's Adams); "
      "FedST, the other FedMix settings and ablations, and the embedded lesion scenario unchecked"),
     ("`isofed`, `isofed-100`, `fedmlp` (bundle defaults, the old per-image min-max scaling)",
      "kept for the record; unchecked (the `minmax` sections are diagnostics)"),

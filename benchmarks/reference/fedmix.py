@@ -56,8 +56,8 @@ PAPER = {
 CHECK = {k: v for k, (v, _) in PAPER.items()}
 # What the check runs instead of the paper's, and why.
 LEFT_OUT = {
-    "Xavier initialisation (paper Sec. IV-B4)": "PyTorch's default initialisation, two independent draws; the "
-        "project's networks take MONAI's default, and the project has no Xavier option",
+    "Xavier initialisation (paper Sec. IV-B4)": "PyTorch's default initialisation (FedMix: two independent "
+        "draws); the project's networks take MONAI's default, and the project has no Xavier option",
     "256 px resize, random 224 px crop and flips (paper Sec. IV-A1)": "the prepared 32 px images and a random "
         "90-degree turn and flip per case (the preset's augmentation; a crop would cut the boxes)",
     "grayscale input (released code: convert('L'))": "the prepared RGB images, each scaled by its own min and max "
