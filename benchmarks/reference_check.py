@@ -1,6 +1,6 @@
 """The project's rows against independent plain-PyTorch references, with an equivalence criterion.
 
-Methods (IsoFed's table, Surgical Aggregation; ``--rows``)::
+Methods (IsoFed's table, Surgical Aggregation, FedMix; ``--rows``)::
 
     python benchmarks/reference_check.py --preset isofed --rows oracle:wfedavg,isofed,mt_wfedavg \
         --data 'DIR-s{seed}' --seeds 0,1,2 --rounds 20 --eval-rounds 5,10,20 --label pneumoniamnist-g0.8-1L3U
@@ -13,7 +13,9 @@ Per split s (one prepared split each; ``{seed}`` in ``--data``) and row, the pro
 (``fedlabels bench``'s in-process round engine, training seeds s and s + ``SEED_OFFSET``) and its reference
 once: ``benchmarks/reference/semisup.py`` with ``semisup.CHECK`` (RSCFed's released values where the project
 can express them), ``benchmarks/reference/surgical.py`` with ``surgical.CHECK`` and
-``benchmarks/reference/fedmix.py`` with ``fedmix.CHECK`` (the paper's values); both sides train with them (``project_settings`` turns them into the row's options and stops on any it cannot).
+``benchmarks/reference/fedmix.py`` with ``fedmix.CHECK`` (the paper's values); both sides train with them
+(``project_settings`` turns them into the row's options and stops on any it cannot; ``--set KEY=VALUE``
+changes one of them on both sides).
 
 FedAvg (the training path; no ``--rows``)::
 
@@ -284,10 +286,11 @@ def verdict(a: dict, b: dict) -> str:
     return "not shown"
 
 
-# ---------------------------------------------------------------- the methods (IsoFed's table)
+# ---------------------------------------------------------------- the methods
 
 # a project row -> (the reference's method, every site from its full labels); Surgical Aggregation's reference is
-# benchmarks/reference/surgical.py, the others benchmarks/reference/semisup.py
+# benchmarks/reference/surgical.py, FedMix's and FedAdaptAgg's benchmarks/reference/fedmix.py, the others
+# benchmarks/reference/semisup.py
 METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False), "isofed_nopt": ("isofed_nopt", False),
                "surgical": ("surgical", False),
                "mt_wfedavg": ("mt_wfedavg", False), "fedmix": ("fedmix", False),
