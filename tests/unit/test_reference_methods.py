@@ -1,6 +1,6 @@
-"""The independent method references (benchmarks/reference/semisup.py, surgical.py) against hand-computed
-numbers, and the project's server rules against the references on the same inputs (one round, same weights,
-same counts: the rules are deterministic there)."""
+"""The independent method references (benchmarks/reference/semisup.py, surgical.py, fedmix.py) against
+hand-computed numbers, and the project's server rules and sites against the references on the same inputs (same
+weights, same counts, one batch: the rules are deterministic there)."""
 
 from __future__ import annotations
 
