@@ -187,7 +187,7 @@ def compare(preset, data: Path, seed: int, rounds: int, eval_rounds: list, work:
         settings["scaling"] = reference_scaling
     if widen:
         if REFERENCES[preset][0] != "multilabel":
-            raise ValueError(f"--widen: only the ResNet-18 of the multi-label reference has a width option")
+            raise ValueError("--widen: only the ResNet-18 of the multi-label reference has a width option")
         settings["widen"] = widen
     proj = project_cell(preset, data, seed, rounds, eval_rounds, work, config=config, image_size=image_size,
                         widen=widen, log=log)
@@ -370,13 +370,20 @@ def fedmix_settings(preset: str, row: str, s: dict) -> dict:
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
 
 
+def method_reference(row: str):
+    """The module of ``benchmarks/reference/`` that implements ``row``'s method."""
+    from reference import fedmix, semisup, surgical
+
+    return {"multilabel": surgical, "segmentation": fedmix}.get(ROW_KIND.get(row, "classification"), semisup)
+
+
 def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
                     log=print, settings: dict | None = None, image_size: int | None = None) -> dict:
     """One split, one row: the project twice (training seeds ``split`` and ``split + SEED_OFFSET``) and the
     method reference once (seed ``split``), one after the other in this process."""
     from reference import fedmix, semisup, surgical
 
-    reference = {"multilabel": surgical, "segmentation": fedmix}.get(ROW_KIND.get(row), semisup)
+    reference = method_reference(row)
     s = {**reference.CHECK, **(settings or {})}
     proj = project_settings(preset, row, s)
     runs = []
@@ -759,16 +766,13 @@ def _splits(args) -> tuple:
 
 def _settings(items: list, rows: list) -> dict:
     """``--set KEY=VALUE`` items as reference settings; a key the rows' references do not have stops here."""
-    from reference import fedmix, semisup, surgical
-
-    known = {"multilabel": surgical.CHECK, "segmentation": fedmix.CHECK}
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--set {item!r}: KEY=VALUE")
         for row in rows:
-            check = known.get(ROW_KIND.get(row), semisup.CHECK)
+            check = method_reference(row).CHECK
             if key not in check:
                 raise SystemExit(f"--set {key}: not a setting of row {row}'s reference ({', '.join(check)})")
         try:

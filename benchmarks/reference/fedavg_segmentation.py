@@ -62,14 +62,19 @@ def soft_dice_loss(logits, target, eps=1e-5):
     return (1 - (2 * inter + eps) / (p.sum((2, 3)) + target.sum((2, 3)) + eps)).mean()
 
 
-def load_split(folder: Path, items: list):
-    images, masks = [], []
+def load_images(folder: Path, items: list) -> torch.Tensor:
+    """(N, 3, H, W): each image scaled to [0, 1] by its own min and max."""
+    images = []
     for it in items:
         img = np.asarray(Image.open(folder / it["image"]).convert("RGB"), dtype=np.float32).transpose(2, 0, 1)
         lo, hi = img.min(), img.max()
         images.append((img - lo) / max(hi - lo, 1e-8))
-        masks.append((np.asarray(Image.open(folder / it["seg"]).convert("L")) > 127).astype(np.float32)[None])
-    return torch.from_numpy(np.stack(images)), torch.from_numpy(np.stack(masks))
+    return torch.from_numpy(np.stack(images))
+
+
+def load_split(folder: Path, items: list):
+    masks = [(np.asarray(Image.open(folder / it["seg"]).convert("L")) > 127).astype(np.float32)[None] for it in items]
+    return load_images(folder, items), torch.from_numpy(np.stack(masks))
 
 
 @torch.no_grad()

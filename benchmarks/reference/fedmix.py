@@ -33,7 +33,7 @@ import torch
 import yaml
 
 from .fedavg_classification import dihedral_pair
-from .fedavg_segmentation import UNet, load_split, test_dice
+from .fedavg_segmentation import UNet, load_images, load_split, test_dice
 
 PIXEL, BOX, IMAGE, NONE = "pixel", "bbox", "image", "none"
 
@@ -155,7 +155,7 @@ def read_site(folder: Path, oracle: bool = False):
     if level == PIXEL:
         x, y = load_split(folder, items)
         return x, y, level
-    x, _ = load_split(folder, [{**it, "seg": it["image"]} for it in items])  # images only; no mask is read
+    x = load_images(folder, items)  # no mask is read
     h, w = x.shape[2:]
     prior = torch.zeros(len(items), 1, h, w)
     for n, it in enumerate(items):
