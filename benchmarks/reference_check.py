@@ -289,14 +289,15 @@ def verdict(a: dict, b: dict) -> str:
 # ---------------------------------------------------------------- the methods
 
 # a project row -> (the reference's method, every site from its full labels); Surgical Aggregation's reference is
-# benchmarks/reference/surgical.py, FedMix's and FedAdaptAgg's benchmarks/reference/fedmix.py, the others
-# benchmarks/reference/semisup.py
+# benchmarks/reference/surgical.py, FedMLP's and FedPSL's benchmarks/reference/fedmlp.py and fedpsl.py, FedMix's and FedAdaptAgg's
+# benchmarks/reference/fedmix.py, the others benchmarks/reference/semisup.py
 METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False), "isofed_nopt": ("isofed_nopt", False),
-               "surgical": ("surgical", False),
+               "surgical": ("surgical", False), "fedmlp": ("fedmlp", False),
+               "fedpsl": ("fedpsl", False),
                "mt_wfedavg": ("mt_wfedavg", False), "fedmix": ("fedmix", False),
                "oracle:fedadaptagg": ("fedadaptagg", True)}
 # the kind of preset each row's reference trains (the others: classification)
-ROW_KIND = {"surgical": "multilabel", "fedmix": "segmentation", "oracle:fedadaptagg": "segmentation"}
+ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multilabel", "fedmix": "segmentation", "oracle:fedadaptagg": "segmentation"}
 SEED_OFFSET = 1000  # the project's second training seed on split s is s + SEED_OFFSET
 # The project's strong view is its weak view further transformed (fedlabels.site.TwoViews); a second random
 # left-right flip of the flipped view is, in distribution, a second independent flip: RSCFed's second weak view.
@@ -313,6 +314,10 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         raise ValueError(f"row {row!r}: the method references cover {sorted(METHOD_ROWS)}")
     if row == "surgical":
         return surgical_settings(preset, s)
+    if row == "fedmlp":
+        return fedmlp_settings(preset, s)
+    if row == "fedpsl":
+        return fedpsl_settings(preset, s)
     if ROW_KIND.get(row) == "segmentation":
         return fedmix_settings(preset, row, s)
     if s["distance"] != "paper":
@@ -352,6 +357,33 @@ def surgical_settings(preset: str, s: dict) -> dict:
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
 
 
+def fedmlp_settings(preset: str, s: dict) -> dict:
+    """The project's ``fedmlp`` row with the reference's settings ``s`` (fedmlp.CHECK: the paper's, the released
+    code's where it prints none). Both sides use the bundle's two views."""
+    if REFERENCES[preset][0] != "multilabel":
+        raise ValueError(f"fedmlp: a multi-label preset, not {preset!r}")
+    client = {"optimizer": "adam", "lr": s["lr"], "weight_decay": s["weight_decay"],
+              "reset_optimizer": not s["carry_optimizer"], "logit_adjustment": s["logit_adjustment"],
+              "warmup_consistency": False, "stage2_consistency": True, "consistency_weight": s["consistency_weight"],
+              "degree_low": s["low"], "degree_high": s["high"], "two_views": s["two_views"]}
+    server = {"warmup_rounds": s["warmup_rounds"], "tau0": s["tau0"], "tau1": s["tau1"],
+              "adaptive_threshold": s["adaptive_threshold"], "prototype_weighting": "mean",
+              "degree_sites": s["degree_sites"], "weighted": True}
+    opts = [f"fedmlp:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
+    return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
+
+
+def fedpsl_settings(preset: str, s: dict) -> dict:
+    """The project's ``fedpsl`` row with the reference's settings ``s`` (fedpsl.CHECK: the paper's, the reference's
+    where the paper prints none). Inner and meta learning rates are both the paper's alpha = beta."""
+    if REFERENCES[preset][0] != "multilabel":
+        raise ValueError(f"fedpsl: a multi-label preset, not {preset!r}")
+    client = {"optimizer": "adam", "lr": s["lr"], "weight_decay": 0.0, "reset_optimizer": not s["carry_optimizer"],
+              "first_order": not s["second_order"], "pos_weighted": True}
+    opts = [f"fedpsl:{k}={json.dumps(v)}" for k, v in client.items()]
+    return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
+
+
 def fedmix_settings(preset: str, row: str, s: dict) -> dict:
     """The project's ``fedmix`` or ``oracle:fedadaptagg`` row with the reference's settings ``s`` (fedmix.CHECK:
     the paper's, the released code's where it prints none). The reference augments as the preset does (a random
@@ -372,8 +404,10 @@ def fedmix_settings(preset: str, row: str, s: dict) -> dict:
 
 def method_reference(row: str):
     """The module of ``benchmarks/reference/`` that implements ``row``'s method."""
-    from reference import fedmix, semisup, surgical
+    from reference import fedmix, fedmlp, fedpsl, semisup, surgical
 
+    if row in ("fedmlp", "fedpsl"):
+        return {"fedmlp": fedmlp, "fedpsl": fedpsl}[row]
     return {"multilabel": surgical, "segmentation": fedmix}.get(ROW_KIND.get(row, "classification"), semisup)
 
 
@@ -381,7 +415,7 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
                     log=print, settings: dict | None = None, image_size: int | None = None) -> dict:
     """One split, one row: the project twice (training seeds ``split`` and ``split + SEED_OFFSET``) and the
     method reference once (seed ``split``), one after the other in this process."""
-    from reference import fedmix, semisup, surgical
+    from reference import fedmix, fedmlp, fedpsl, semisup, surgical
 
     reference = method_reference(row)
     s = {**reference.CHECK, **(settings or {})}
@@ -394,10 +428,10 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
         run["metrics"] = {str(k): v for k, v in run["metrics"].items()}
         runs.append({**run, "train_seed": seed})
     method, oracle = METHOD_ROWS[row]
-    if reference is surgical:  # the preset's network width and scaling, as the FedAvg check reads them
+    if reference in (surgical, fedmlp, fedpsl):  # the preset's network width and scaling, as the FedAvg check reads them
         bundle = reference_settings(preset)
-        ref = surgical.run(data, rounds, set(eval_rounds), seed=split, log=log, scaling=bundle["scaling"],
-                           widen=bundle.get("widen", 1.0), **s)
+        ref = reference.run(data, rounds, set(eval_rounds), seed=split, log=log, scaling=bundle["scaling"],
+                            widen=bundle.get("widen", 1.0), **s)
     elif reference is fedmix:
         ref = fedmix.run(data, rounds, set(eval_rounds), seed=split, method=method, oracle=oracle, log=log, **s)
     else:
@@ -545,7 +579,7 @@ def _fedavg_section(label, scaling, cs, tolerance) -> list:
 
 
 def _settings_text(s: dict, row: str) -> str:
-    from reference import fedmix, semisup, surgical
+    from reference import fedmix, fedmlp, fedpsl, semisup, surgical
 
     if ROW_KIND.get(row) == "segmentation":
         used = ", ".join(f"{k} {v}" for k, v in s.items())
@@ -560,6 +594,16 @@ def _settings_text(s: dict, row: str) -> str:
                    "masks and aggregates by Eqs. 4-5)")
                 + f". The project's row is given the settings as options (`project_options` in each cell). Not the "
                 f"paper's, and what runs instead: {left}.")
+
+    if row in ("fedmlp", "fedpsl"):
+        used = ", ".join(f"{k} {v}" for k, v in s.items())
+        ref = {"fedmlp": fedmlp, "fedpsl": fedpsl}[row]
+        left = "; ".join(f"{k}: {v}" for k, v in ref.LEFT_OUT.items())
+        where = "the released code's" if row == "fedmlp" else "a stated choice (FedPSL has no released code)"
+        return (f"Both sides train with the reference's settings (`benchmarks/reference/{row}.py` `CHECK`, the "
+                f"paper's values, or {where} where the paper prints none; their sources are its "
+                f"`PAPER`; a `--set` value replaces its paper value): {used}. The project's row is given "
+                f"them as options (`project_options` in each cell). Not the paper's, and what runs instead: {left}.")
 
     if row == "surgical":
         used = ", ".join(f"{k} {v}" for k, v in s.items())
@@ -697,10 +741,11 @@ def main(argv=None) -> None:
                     help="the project side augments each case in the loader (the chest X-ray bundles' RandAffined and "
                          "RandAdjustContrastd) instead of the preset's per-batch augmentation: what the batching saves")
     ap.add_argument("--rows", help="comma-separated project rows checked against the method references "
-                                   f"(benchmarks/reference/semisup.py, surgical.py, fedmix.py): {', '.join(METHOD_ROWS)}; "
+                                   f"(benchmarks/reference/semisup.py, surgical.py, fedmlp.py, fedpsl.py, fedmix.py): "
+                                   f"{', '.join(METHOD_ROWS)}; "
                                    f"each split runs the project with training seeds s and s + {SEED_OFFSET} and the "
                                    "reference once, with the reference's settings (semisup.CHECK, surgical.CHECK, "
-                                   "fedmix.CHECK)")
+                                   "fedmlp.CHECK, fedpsl.CHECK, fedmix.CHECK)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="with --rows: a reference setting instead of its CHECK value (a JSON value, e.g. beta=3, "
                          "carry_optimizer=false); both sides train with it")
@@ -791,8 +836,8 @@ def main_methods(args) -> None:
         raise SystemExit(f"--rows {unknown}: the method references cover {sorted(METHOD_ROWS)}")
     wrong = [r for r in rows if ROW_KIND.get(r, "classification") != kind]
     if wrong:
-        raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical: a multi-label "
-                         "preset; fedmix: a segmentation preset; the others: a classification preset)")
+        raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl: a "
+                         "multi-label preset; fedmix: a segmentation preset; the others: a classification preset)")
     settings = _settings(args.set, rows)
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)

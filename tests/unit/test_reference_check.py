@@ -16,6 +16,7 @@ reference's settings onto the project's row options.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -233,6 +234,46 @@ def test_the_fedmix_rows_get_the_references_settings_and_set_changes_both_sides(
         rc._settings(["epsilon=0.5"], ["fedmix", "isofed"])
     with pytest.raises(ValueError, match="dice_eps"):
         rc.project_settings("fedmix", "fedmix", {**s, "dice_eps": 0.5})
+
+
+def test_the_fedmlp_row_gets_the_references_settings_as_options_the_method_takes():
+    import reference_check as rc
+    from fedlabels.methods import get
+    from reference import fedmlp
+
+    got = rc.project_settings("fedmlp_blood", "fedmlp", dict(fedmlp.CHECK))
+    assert got["batch_size"] == 32 and got["local_epochs"] == 1 and got["config"] == {}
+    opts = {k.split(":", 1)[1]: json.loads(v) for k, v in (o.split("=", 1) for o in got["opts"])}
+    assert opts["lr"] == 3e-5 and opts["weight_decay"] == 5e-4 and opts["reset_optimizer"] is True
+    assert opts["warmup_rounds"] == 50 and (opts["tau0"], opts["tau1"]) == (0.005, 0.01)
+    assert (opts["degree_low"], opts["degree_high"]) == (0.3, 0.7) and opts["degree_sites"] == "missing"
+    assert opts["logit_adjustment"] is True and opts["adaptive_threshold"] is True and opts["two_views"] is True
+    # every option is one of the method's own (an unknown name would stop the run)
+    method = get("fedmlp")
+    known = set(method.client_option_names()) | set(method.server_option_names())
+    assert set(opts) <= known, set(opts) - known
+    # --set changes both sides
+    changed = rc._settings(["tau0=0.1", "adaptive_threshold=false"], ["fedmlp"])
+    opts = dict(o.split("=", 1) for o in rc.project_settings("fedmlp_blood", "fedmlp", {**fedmlp.CHECK, **changed})["opts"])
+    assert opts["fedmlp:tau0"] == "0.1" and opts["fedmlp:adaptive_threshold"] == "false"
+    with pytest.raises(ValueError, match="multi-label preset"):
+        rc.project_settings("isofed", "fedmlp", dict(fedmlp.CHECK))
+
+
+def test_the_fedpsl_row_gets_the_references_settings_as_options_the_method_takes():
+    import reference_check as rc
+    from fedlabels.methods import get
+    from reference import fedpsl
+
+    got = rc.project_settings("fedmlp_blood", "fedpsl", dict(fedpsl.CHECK))
+    assert got["batch_size"] == 16 and got["local_epochs"] == 10 and got["config"] == {}
+    opts = {k.split(":", 1)[1]: json.loads(v) for k, v in (o.split("=", 1) for o in got["opts"])}
+    assert opts == {"optimizer": "adam", "lr": 1e-3, "weight_decay": 0.0, "reset_optimizer": True,
+                    "first_order": False, "pos_weighted": True}
+    assert set(opts) <= get("fedpsl").client_option_names()  # an unknown name would stop the run
+    opts = rc.project_settings("fedmlp_blood", "fedpsl", {**fedpsl.CHECK, **rc._settings(["second_order=false"],
+                                                                                       ["fedpsl"])})["opts"]
+    assert "fedpsl:first_order=true" in opts
 
 
 def test_one_class_everywhere_reads_every_run_of_both_sides():

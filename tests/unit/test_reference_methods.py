@@ -495,3 +495,194 @@ def test_project_fedmix_client_equals_the_reference_over_two_rounds():
                                        err_msg=f"round {rnd} {k}")
         weights = {k: np.asarray(v) + 0.01 * (np.asarray(v).dtype.kind == "f") for k, v in update.weights.items()}
     assert all(0 < k < n for k in kept), kept  # the selection dropped some cases and kept others
+
+
+def test_fedmlp_reference_rules_by_hand():
+    from reference import fedmlp as rm
+
+    # Eq. 3 as a shift: pi1 = 1/4 -> log(1/3); a rate of 0, 1 or nothing labeled -> 0
+    np.testing.assert_allclose(rm.logit_shift([1, 0, 3, 0], [4, 4, 3, 0]).numpy(), [math.log(1 / 3), 0, 0, 0],
+                               rtol=1e-6)
+    # Eq. 4: BCE of the two labeled entries (logit 0 -> log 2 each), over batch x C = 2 x 2
+    logits, target = torch.zeros(2, 2), torch.tensor([[1.0, -1.0], [0.0, -1.0]])
+    assert float(rm.wpc(logits, target, torch.zeros(2))) == pytest.approx(2 * math.log(2) / 4)
+    # the shift moves the logit: log(1 + e^-1) for the positive, log(1 + e^1) for the negative
+    got = float(rm.wpc(logits, target, torch.tensor([1.0, 0.0])))
+    assert got == pytest.approx((math.log1p(math.exp(-1)) + math.log1p(math.exp(1))) / 4)
+    # consistency over the masked entries only
+    assert float(rm.consistency(torch.tensor([[0.5, 0.9]]), torch.tensor([[0.1, 0.0]]),
+                                torch.tensor([[1.0, 0.0]]))) == pytest.approx(0.16)
+    # Eq. 7: F along P0 -> 1 - cos(P1, F)
+    z = rm.z_scores(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]), [1.0, 0.0], [0.0, 1.0])
+    np.testing.assert_allclose(z.numpy(), [1.0, -1.0, 0.0], atol=1e-12)
+    # Eqs. 8-9: z >= 0: [0.9, 0.2, 0.0, 0.2] (n0 = 4), z < 0: [-0.5, -0.8] (n1 = 2); tau 0.5 -> 2 and 1
+    neg, pos = rm.select([0.9, 0.2, -0.5, 0.0, -0.8, 0.2], 0.5, 0.5)
+    assert neg.tolist() == [0, 1] and pos.tolist() == [4]  # the tie at 0.2 keeps the earlier case
+    assert [len(v) for v in rm.select([0.9, -0.5], 0.99, 0.99)] == [0, 0]  # int(0.99 x 1) = 0
+    # Eq. 5 / Eq. 6
+    f = torch.tensor([[0.0, 2.0], [2.0, 0.0], [4.0, 0.0]])
+    y = torch.tensor([[0.0, -1.0], [1.0, -1.0], [1.0, -1.0]])
+    means = rm.class_means(f, y, [0, 1])
+    assert list(means) == [0] and means[0].tolist() == [[0.0, 2.0], [3.0, 0.0]]  # class 1: nothing labeled
+    g = rm.global_prototypes([{0: torch.ones(2, 2)}, {0: 3 * torch.ones(2, 2), 1: torch.zeros(2, 2)}])
+    assert g[0].tolist() == [[2.0, 2.0], [2.0, 2.0]] and g[1].tolist() == [[0.0, 0.0], [0.0, 0.0]]
+    # d_c^G by size over the sites given; 1 where none
+    d = rm.global_degree([torch.tensor([0.2, 0.4]), torch.tensor([0.8, 0.4])], [10, 30], [[0, 1], []])
+    assert d.tolist() == pytest.approx([0.65, 1.0])
+    # FedAvg by case counts; integer buffers rounded
+    avg = rm.fedavg([{"w": torch.tensor([0.0]), "n": torch.tensor(1)}, {"w": torch.tensor([4.0]), "n": torch.tensor(4)}],
+                    [3, 1])
+    assert avg["w"].tolist() == [1.0] and int(avg["n"]) == 2 and avg["n"].dtype == torch.int64
+
+
+def test_project_fedmlp_federation_equals_the_reference_over_three_rounds():
+    """FedMLP, two sites (site-1 annotates class a, site-2 classes b and c), warm-up of one round, Adam fresh
+    each round. Round 0: stage 1 (WPC with the logit shift), then both send prototypes and degrees; rounds 1-2:
+    stage 2 (each site tags its missing classes with the received model and the adaptive ratios, and trains
+    WPC plus the consistency term). The project's clients and server against the reference's sites and
+    rules: the tags, the prototypes and the weights. One batch holding every case, fixed views."""
+    from fedlabels.methods import get
+    from fedlabels.methods.base import to_numpy
+    from fedlabels.profile import SiteProfile
+    from reference import fedmlp as rm
+
+    s = {**rm.CHECK, "lr": 0.05, "warmup_rounds": 1, "tau0": 0.7, "tau1": 0.7, "low": 0.45, "high": 0.55}
+    g = torch.Generator().manual_seed(11)
+    n, classes = 8, ("a", "b", "c")
+    full = (torch.rand(2, n, 3, generator=g) < 0.5).float()
+    spec = {"site-1": ("a",), "site-2": ("b", "c")}
+    data = {}
+    for k, (site, mine) in enumerate(spec.items()):
+        y = full[k].clone()
+        y[:, [c for c in range(3) if classes[c] not in mine]] = -1.0
+        data[site] = (torch.randn(n, 1, 5, 5, generator=g), torch.randn(n, 1, 5, 5, generator=g), y)
+    method = get("fedmlp")
+    client_opts = {"optimizer": "adam", "lr": s["lr"], "weight_decay": s["weight_decay"],
+                   "reset_optimizer": not s["carry_optimizer"], "degree_low": s["low"], "degree_high": s["high"]}
+    server = method.make_server(warmup_rounds=s["warmup_rounds"], tau0=s["tau0"], tau1=s["tau1"],
+                                adaptive_threshold=s["adaptive_threshold"], degree_sites=s["degree_sites"])
+    torch.manual_seed(0)
+    clients, sites = {}, {}
+    for site, (x, xs, y) in data.items():
+        profile = SiteProfile(site, "multilabel", classes, spec[site], "image")
+        batch = {"image": x, "image_strong": xs, "label": y, "index": torch.arange(n)}
+        ctx = site_context(profile, [batch], labels=y.long().tolist())
+        clients[site] = method.make_client(_TinyResNet(), ctx, **client_opts)
+        sites[site] = rm.Site(x, y)
+    server.setup({site: c.ctx.summary for site, c in clients.items()})
+    weights = to_numpy(_TinyResNet().state_dict())
+
+    rnet = _TinyResNet()
+    rglobal = _TinyResNet()
+    rglobal.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()})
+    protos, degree = {}, None
+    tagged = []
+    for rnd in range(3):
+        extras = server.extras(rnd, 0)
+        updates = [clients[site].train(weights, rnd, extras) for site in spec]
+        # the reference's round
+        d = degree if degree is not None else torch.ones(3, dtype=torch.float64)
+        states, sent, degrees = [], [], []
+        for site, (x, xs, y) in data.items():
+            ref = sites[site]
+            rnet.load_state_dict(rglobal.state_dict())
+            if rnd >= s["warmup_rounds"] and protos:
+                ref.tag(rglobal, protos, d * s["tau0"], d * s["tau1"], lambda v: v)
+            np.testing.assert_array_equal(clients[site].tags, ref.tags.numpy().astype(np.int8), err_msg=f"{rnd} {site}")
+            teacher = rm.teacher_of(rglobal) if rnd >= s["warmup_rounds"] else None
+            ref.train(rnet, teacher, lambda m: [torch.arange(m)], 1, lambda v, xs=xs: [v, xs], s["consistency_weight"],
+                      lambda net: torch.optim.Adam(net.parameters(), lr=s["lr"], weight_decay=s["weight_decay"]),
+                      s["carry_optimizer"])
+            states.append({k: v.detach().clone() for k, v in rnet.state_dict().items()})
+            p, dk = ref.summary(rnet, lambda v: v, s["low"], s["high"])
+            sent.append(p)
+            degrees.append(dk)
+        for u, state, p, dk in zip(updates, states, sent, degrees):
+            for k, v in state.items():
+                np.testing.assert_allclose(u.weights[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"{rnd} {u.site} {k}")
+            assert sorted(int(c) for c in u.extras["prototypes"]) == sorted(p)
+            for c, pc in p.items():
+                np.testing.assert_allclose(u.extras["prototypes"][str(c)], pc.numpy(), rtol=0, atol=1e-5)
+            np.testing.assert_allclose(u.extras["degree"], dk.numpy(), atol=1e-12)
+        weights = server.aggregate(updates, weights, rnd)
+        rglobal.load_state_dict(rm.fedavg(states, [n, n]))
+        protos = {**protos, **rm.global_prototypes(sent)}
+        missing = [[k for k, site in enumerate(spec) if classes[c] not in spec[site]] for c in range(3)]
+        degree = rm.global_degree(degrees, [n, n], missing)
+        for k, v in rglobal.state_dict().items():
+            np.testing.assert_allclose(weights[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"global {rnd} {k}")
+        tagged.append([int((ref.tags >= 0).sum()) for ref in sites.values()])
+    # the rounds exercised the detection: no tags after stage 1, tags on both sites after it, more in round 2
+    assert tagged[0] == [0, 0] and all(t > 0 for t in tagged[1]) and sum(tagged[2]) > sum(tagged[1]), tagged
+
+
+def test_fedpsl_reference_rules_by_hand():
+    from reference import fedpsl as rp
+
+    y = torch.tensor([[1.0, -1.0], [0.0, -1.0], [0.0, -1.0], [0.0, 1.0]])
+    assert rp.pos_weight(y).tolist() == [3.0, 1.0]  # class 0: 3 negatives / 1 positive; class 1: no negative
+    # BCE of the 5 labeled entries at logit 0, class 0's positive weighted 3: (3 + 1 + 1 + 1 + 1) log 2 / 5
+    assert float(rp.loss_fn(torch.zeros(4, 2), y, torch.tensor([3.0, 1.0]))) == pytest.approx(7 * math.log(2) / 5)
+    # Eq. 9: the feature by n_k (3:1), head rows by n_k^c; class 2 labeled by nobody keeps its row
+    states = [{"f": torch.tensor([0.0]), "fc.weight": torch.tensor([[1.0], [1.0], [5.0]]), "fc.bias": torch.ones(3)},
+              {"f": torch.tensor([4.0]), "fc.weight": torch.tensor([[9.0], [3.0], [7.0]]), "fc.bias": torch.zeros(3)}]
+    glob = {"f": torch.tensor([0.0]), "fc.weight": torch.full((3, 1), 2.0), "fc.bias": torch.full((3,), 2.0)}
+    out = rp.tdma(states, [3, 1], [[1, 3, 0], [0, 1, 0]], glob)
+    assert out["f"].tolist() == [1.0]
+    assert out["fc.weight"].flatten().tolist() == [1.0, 1.5, 2.0] and out["fc.bias"].tolist() == [1.0, 0.75, 2.0]
+
+
+def test_project_fedpsl_federation_equals_the_reference_over_two_rounds():
+    """FedPSL, two sites of different sizes (site-1: 8 cases labeled for a and b; site-2: 6 cases labeled for b
+    and c), Adam fresh each round: TADL on each site's one batch (halves of 4 and 3 cases, batch norm in training
+    mode, the meta-gradient through theta'), then TDMA. The project's clients and server against the
+    reference's steps and rule, weights compared after each site and each round."""
+    from fedlabels.methods import get
+    from fedlabels.methods.base import to_numpy
+    from fedlabels.profile import SiteProfile
+    from reference import fedpsl as rp
+
+    s = {**rp.CHECK, "lr": 0.01, "epochs": 2}
+    g = torch.Generator().manual_seed(4)
+    classes, spec, sizes = ("a", "b", "c"), {"site-1": ("a", "b"), "site-2": ("b", "c")}, {"site-1": 8, "site-2": 6}
+    method = get("fedpsl")
+    server = method.make_server()
+    data, clients = {}, {}
+    torch.manual_seed(0)
+    for site, mine in spec.items():
+        n = sizes[site]
+        y = (torch.rand(n, 3, generator=g) < 0.4).float()
+        y[:, [c for c in range(3) if classes[c] not in mine]] = -1.0
+        x = torch.randn(n, 1, 5, 5, generator=g)
+        data[site] = (x, y)
+        ctx = site_context(SiteProfile(site, "multilabel", classes, mine, "image"), [{"image": x, "label": y}],
+                           labels=y.long().tolist())
+        clients[site] = method.make_client(_TinyResNet(), ctx, optimizer="adam", lr=s["lr"], epochs=s["epochs"],
+                                           reset_optimizer=not s["carry_optimizer"], first_order=not s["second_order"])
+    server.setup({site: c.ctx.summary for site, c in clients.items()})
+    weights = to_numpy(_TinyResNet().state_dict())
+    rglobal = _TinyResNet()
+    rglobal.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()})
+    rnet = _TinyResNet()
+    for rnd in range(2):
+        updates = [clients[site].train(weights, rnd) for site in spec]
+        states = []
+        for (site, (x, y)), u in zip(data.items(), updates):
+            rnet.load_state_dict(rglobal.state_dict())
+            theta, phi = rp.split(rnet)
+            opt_t, opt_p = torch.optim.Adam(theta.values(), lr=s["lr"]), torch.optim.Adam(phi.values(), lr=s["lr"])
+            rnet.train()
+            for _ in range(s["epochs"]):
+                rp.tadl_step(rnet, opt_t, opt_p, x, y, rp.pos_weight(y), s["lr"], s["second_order"])
+            states.append({k: v.detach().clone() for k, v in rnet.state_dict().items()})
+            for k, v in states[-1].items():
+                np.testing.assert_allclose(u.weights[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"{rnd} {site} {k}")
+        weights = server.aggregate(updates, weights, rnd)
+        labeled = [(y >= 0).sum(0).tolist() for _, y in data.values()]
+        rglobal.load_state_dict(rp.tdma(states, list(sizes.values()), labeled, rglobal.state_dict()))
+        for k, v in rglobal.state_dict().items():
+            np.testing.assert_allclose(weights[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"global {rnd} {k}")
+    # the rows of a class one site labels are that site's (n_k^c = 0 at the other), not the n_k-weighted mean
+    np.testing.assert_allclose(weights["fc.weight"][0], states[0]["fc.weight"][0].numpy(), atol=1e-6)
+    np.testing.assert_allclose(weights["fc.weight"][2], states[1]["fc.weight"][2].numpy(), atol=1e-6)
+    assert not np.allclose(weights["fc.weight"][0], ((8 * states[0]["fc.weight"][0] + 6 * states[1]["fc.weight"][0]) / 14).numpy())
