@@ -288,16 +288,16 @@ def verdict(a: dict, b: dict) -> str:
 
 # ---------------------------------------------------------------- the methods
 
-# a project row -> (the reference's method, every site from its full labels); Surgical Aggregation's reference is
-# benchmarks/reference/surgical.py, FedMLP's and FedPSL's benchmarks/reference/fedmlp.py and fedpsl.py, FedMix's and FedAdaptAgg's
-# benchmarks/reference/fedmix.py, the others benchmarks/reference/semisup.py
+# a project row -> (the reference's method, every site from its full labels); the module of benchmarks/reference/
+# that implements each is method_reference's
 METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False), "isofed_nopt": ("isofed_nopt", False),
                "surgical": ("surgical", False), "fedmlp": ("fedmlp", False),
                "fedpsl": ("fedpsl", False),
                "mt_wfedavg": ("mt_wfedavg", False), "fedmix": ("fedmix", False),
                "oracle:fedadaptagg": ("fedadaptagg", True)}
 # the kind of preset each row's reference trains (the others: classification)
-ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multilabel", "fedmix": "segmentation", "oracle:fedadaptagg": "segmentation"}
+ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multilabel", "fedmix": "segmentation",
+            "oracle:fedadaptagg": "segmentation"}
 SEED_OFFSET = 1000  # the project's second training seed on split s is s + SEED_OFFSET
 # The project's strong view is its weak view further transformed (fedlabels.site.TwoViews); a second random
 # left-right flip of the flipped view is, in distribution, a second independent flip: RSCFed's second weak view.
@@ -406,9 +406,8 @@ def method_reference(row: str):
     """The module of ``benchmarks/reference/`` that implements ``row``'s method."""
     from reference import fedmix, fedmlp, fedpsl, semisup, surgical
 
-    if row in ("fedmlp", "fedpsl"):
-        return {"fedmlp": fedmlp, "fedpsl": fedpsl}[row]
-    return {"multilabel": surgical, "segmentation": fedmix}.get(ROW_KIND.get(row, "classification"), semisup)
+    return {"surgical": surgical, "fedmlp": fedmlp, "fedpsl": fedpsl, "fedmix": fedmix,
+            "oracle:fedadaptagg": fedmix}.get(row, semisup)  # semisup: IsoFed, MT+wFedAvg and wFedAvg
 
 
 def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
@@ -428,7 +427,8 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
         run["metrics"] = {str(k): v for k, v in run["metrics"].items()}
         runs.append({**run, "train_seed": seed})
     method, oracle = METHOD_ROWS[row]
-    if reference in (surgical, fedmlp, fedpsl):  # the preset's network width and scaling, as the FedAvg check reads them
+    # the multi-label references read the preset's network width and scaling, as the FedAvg check does
+    if reference in (surgical, fedmlp, fedpsl):
         bundle = reference_settings(preset)
         ref = reference.run(data, rounds, set(eval_rounds), seed=split, log=log, scaling=bundle["scaling"],
                             widen=bundle.get("widen", 1.0), **s)

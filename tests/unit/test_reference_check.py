@@ -254,7 +254,8 @@ def test_the_fedmlp_row_gets_the_references_settings_as_options_the_method_takes
     assert set(opts) <= known, set(opts) - known
     # --set changes both sides
     changed = rc._settings(["tau0=0.1", "adaptive_threshold=false"], ["fedmlp"])
-    opts = dict(o.split("=", 1) for o in rc.project_settings("fedmlp_blood", "fedmlp", {**fedmlp.CHECK, **changed})["opts"])
+    opts = rc.project_settings("fedmlp_blood", "fedmlp", {**fedmlp.CHECK, **changed})["opts"]
+    opts = dict(o.split("=", 1) for o in opts)
     assert opts["fedmlp:tau0"] == "0.1" and opts["fedmlp:adaptive_threshold"] == "false"
     with pytest.raises(ValueError, match="multi-label preset"):
         rc.project_settings("isofed", "fedmlp", dict(fedmlp.CHECK))

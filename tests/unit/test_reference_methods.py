@@ -530,8 +530,8 @@ def test_fedmlp_reference_rules_by_hand():
     d = rm.global_degree([torch.tensor([0.2, 0.4]), torch.tensor([0.8, 0.4])], [10, 30], [[0, 1], []])
     assert d.tolist() == pytest.approx([0.65, 1.0])
     # FedAvg by case counts; integer buffers rounded
-    avg = rm.fedavg([{"w": torch.tensor([0.0]), "n": torch.tensor(1)}, {"w": torch.tensor([4.0]), "n": torch.tensor(4)}],
-                    [3, 1])
+    avg = rm.fedavg([{"w": torch.tensor([0.0]), "n": torch.tensor(1)},
+                     {"w": torch.tensor([4.0]), "n": torch.tensor(4)}], [3, 1])
     assert avg["w"].tolist() == [1.0] and int(avg["n"]) == 2 and avg["n"].dtype == torch.int64
 
 
@@ -685,4 +685,5 @@ def test_project_fedpsl_federation_equals_the_reference_over_two_rounds():
     # the rows of a class one site labels are that site's (n_k^c = 0 at the other), not the n_k-weighted mean
     np.testing.assert_allclose(weights["fc.weight"][0], states[0]["fc.weight"][0].numpy(), atol=1e-6)
     np.testing.assert_allclose(weights["fc.weight"][2], states[1]["fc.weight"][2].numpy(), atol=1e-6)
-    assert not np.allclose(weights["fc.weight"][0], ((8 * states[0]["fc.weight"][0] + 6 * states[1]["fc.weight"][0]) / 14).numpy())
+    by_size = (8 * states[0]["fc.weight"][0] + 6 * states[1]["fc.weight"][0]) / 14
+    assert not np.allclose(weights["fc.weight"][0], by_size.numpy())
