@@ -666,8 +666,12 @@ def _methods_section(label, preset, cs_all, tolerance) -> list:
                 by_site.setdefault(name, []).append(int(rnd))
         lost += [f"`{c['row']}` split {c['seed']}: {name} in {len(r)} round(s), {min(r)}-{max(r)}"
                  for name, r in sorted(by_site.items())]
-    lines += ["Reference sites whose trained model was not finite, left out of their group's aggregate (the "
-              "reference's rule): " + ("; ".join(lost) if lost else "none") + ".", ""]
+    if all("dropped" in c["reference_run"] for c in cs_all):
+        lines += ["Reference sites whose trained model was not finite, left out of their group's aggregate (the "
+                  "reference's rule): " + ("; ".join(lost) if lost else "none") + ".", ""]
+    else:  # only semisup.py leaves a non-finite site out; the other references have no such rule
+        lines += ["Reference sites whose trained model was not finite: not recorded (this reference has no rule "
+                  "for them).", ""]
     if all("dropped" in p for c in cs_all for p in c["projects"]):
         gone = [f"`{c['row']}` split {c['seed']} seed {p['train_seed']}: rounds "
                 + ", ".join(f"{r} ({', '.join(s)})" for r, s in sorted(p["dropped"].items(), key=lambda x: int(x[0])))
