@@ -58,9 +58,12 @@ PAPER = {
     "adaptive_threshold": (True, "paper Sec. 2.3.3"),
     "degree_sites": ("missing", "paper Sec. 2.3.3 text ('negative class difficulty'); released code: the client's "
                                 "negative classes (Eq. 10 prints S_c)"),
-    "consistency_weight": (1.0, "paper Sec. 2.4: WPC for labels and tags, MSE for the soft labels (no weight printed)"),
+    "consistency_weight": (1.0, "paper Sec. 2.4: WPC for labels and tags, MSE for the soft labels (no weight "
+                                "printed), in stage 2 (stage 1 trains WPC alone, Sec. 2.2; the released code runs "
+                                "the MSE in stage 1 and not in stage 2)"),
     "two_views": (True, "paper Sec. 2.2 (augmented views, as in semi-supervised learning); released code: "
-                        "image_aug_1 and image_aug_2, the loss their mean"),
+                        "image_aug_1 and image_aug_2, the loss their mean, in stage 1 (its stage 2 trains on the "
+                        "first view only; the paper does not say, and both stages use both views here)"),
 }
 # What both sides train with in benchmarks/reference_check.py --rows fedmlp: the paper's values; the network,
 # the input and the augmentation are the check's preset's.
