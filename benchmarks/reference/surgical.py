@@ -52,19 +52,19 @@ def aggregate(states: list, masks: list, global_state: dict, head: str, weights=
     return out
 
 
-# The paper's settings (Sec. 4, "Centralized Setup" and "Federated Setup") and the released code's where the
+# The paper's settings (Sec. 2.5, "Centralized Setup" and "Federated Setup") and the released code's where the
 # paper prints none: (value, source).
 PAPER = {
-    "lr": (5e-5, "paper Sec. 4: all weights trained with a learning rate of 5e-5"),
-    "batch_size": (64, "paper Sec. 4: a batch size of 64"),
-    "epochs": (1, "paper Sec. 4: E = 1 epoch before communication"),
-    "rounds": (150, "paper Sec. 4: T = 150 epochs, E = 1"),
-    "warmup_epochs": (15, "paper Sec. 4: the heads 'warmed up' for 15 epochs, feature extractor frozen"),
-    "warmup_lr": (5e-3, "paper Sec. 4: warm-up learning rate 5e-3"),
+    "lr": (5e-5, "paper Sec. 2.5: all weights trained with a learning rate of 5e-5"),
+    "batch_size": (64, "paper Sec. 2.5: a batch size of 64"),
+    "epochs": (1, "paper Sec. 2.5: E = 1 epoch before communication"),
+    "rounds": (150, "paper Sec. 2.5: T = 150 epochs, E = 1"),
+    "warmup_epochs": (15, "paper Sec. 2.5: the heads 'warmed up' for 15 epochs, feature extractor frozen"),
+    "warmup_lr": (5e-3, "paper Sec. 2.5: warm-up learning rate 5e-3"),
     "optimizer": ("adam", "released code src/federated.py: keras.optimizers.Adam (the paper names none)"),
     "carry_optimizer": (True, "released code src/federated.py: each client's model is compiled with its Adam once "
                               "and keeps it from round to round"),
-    "loss": ("bce", "paper Sec. 4: binary cross-entropy, each site on its own classes (no positive weighting)"),
+    "loss": ("bce", "paper Sec. 2.5: binary cross-entropy, each site on its own classes (no positive weighting)"),
     "feature_rule": ("mean", "paper Eq. 1: w^(F) = 1/K sum_k w_k^(F) (FedAvg as printed); released code: "
                              "unweighted mean"),
 }
@@ -97,7 +97,7 @@ def features(net, x):
 
 
 def warm_up(net, x, y, batches, epochs: int, lr: float, augment) -> None:
-    """The head G alone, a fresh Adam, on features of F frozen and in inference mode (Sec. 4)."""
+    """The head G alone, a fresh Adam, on features of F frozen and in inference mode (Sec. 2.5)."""
     net.eval()
     opt = torch.optim.Adam(net.fc.parameters(), lr=lr)
     for _ in range(epochs):
