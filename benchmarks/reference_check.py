@@ -362,6 +362,9 @@ def fedmlp_settings(preset: str, s: dict) -> dict:
     code's where it prints none). Both sides use the bundle's two views."""
     if REFERENCES[preset][0] != "multilabel":
         raise ValueError(f"fedmlp: a multi-label preset, not {preset!r}")
+    if s["missing_prior"] != "tags":
+        raise ValueError(f"missing_prior {s['missing_prior']!r}: the project takes a missing class's prior from the "
+                         "rate among its tags")
     client = {"optimizer": "adam", "lr": s["lr"], "weight_decay": s["weight_decay"],
               "reset_optimizer": not s["carry_optimizer"], "logit_adjustment": s["logit_adjustment"],
               "warmup_consistency": False, "stage2_consistency": True, "consistency_weight": s["consistency_weight"],
@@ -600,10 +603,12 @@ def _settings_text(s: dict, row: str) -> str:
         ref = {"fedmlp": fedmlp, "fedpsl": fedpsl}[row]
         left = "; ".join(f"{k}: {v}" for k, v in ref.LEFT_OUT.items())
         where = "the released code's" if row == "fedmlp" else "a stated choice (FedPSL has no released code)"
+        changed = [k for k in s if k in ref.CHECK and s[k] != ref.CHECK[k]]
         return (f"Both sides train with the reference's settings (`benchmarks/reference/{row}.py` `CHECK`, the "
                 f"paper's values, or {where} where the paper prints none; their sources are its "
-                f"`PAPER`; a `--set` value replaces its paper value): {used}. The project's row is given "
-                f"them as options (`project_options` in each cell). Not the paper's, and what runs instead: {left}.")
+                f"`PAPER`), with {', '.join(changed) or 'none'} changed by `--set`: {used}. The project's row is "
+                f"given them as options (`project_options` in each cell). Not the paper's, and what runs instead: "
+                f"{left}.")
 
     if row == "surgical":
         used = ", ".join(f"{k} {v}" for k, v in s.items())

@@ -7,13 +7,15 @@ count from 0; stage 1 is rounds 0 .. t1 - 1.
 * **Stage 1** (Sec. 2.2): each site trains the WPC loss (Eq. 4: BCE over the classes it annotates,
   summed and divided by C) on logits corrected by the multi-label logit adjustment (Eq. 3:
   p' = p pi1 / (p pi1 + (1 - p) pi0), i.e. the logit plus log(pi1 / pi0)), averaged over two
-  augmented views of each case; the server runs FedAvg (by case counts).
+  augmented views of each case (the released code's ``image_aug_1`` and ``image_aug_2``; the paper says
+  only that it augments); the server runs FedAvg (by case counts).
 * **Prototypes** (Eqs. 5-6), from round t1 - 1 on, at the end of each round: per class a site annotates,
   the mean feature of its negatives and of its positives under its trained local model (inference mode,
   one augmented view); the server averages each over the sites that annotate the class (1 / |S_c|).
 * **Learning degree** (Eq. 10): d_c^k = the fraction of a site's cases with p < L or p > R; d_c^G its
   size-weighted mean over the sites that lack c (the text: "negative class difficulty"; the released
-  code sums it over the client's negative classes; Eq. 10 prints S_c, ``degree_sites="annotating"``);
+  code's ``FedAvg_tao`` averages it over the clients lacking c by size; Eq. 10 prints S_c,
+  ``degree_sites="annotating"``);
   tau0 = d_c^G T0, tau1 = d_c^G T1 (``adaptive_threshold``; else tau = T).
 * **Stage 2** (Sec. 2.3.2): at the start of a round the site scores each case not yet tagged for each
   class it lacks with the received global model, Z = cos(P0, F) - cos(P1, F) (Eq. 7); among the n0 with
@@ -22,8 +24,12 @@ count from 0; stage 1 is rounds 0 .. t1 - 1.
   annotated and tagged entries plus the consistency term (Sec. 2.4): the mean squared difference of the
   local and the received model's sigmoid outputs over the missing entries not yet tagged.
 
-For a class a site lacks, pi1 in Eq. 3 is the positive rate among its tags (the paper defines pi only
-for labeled classes; no adjustment while a rate is 0, 1 or undefined).
+Readings of what the paper leaves open, where they are the project's (the check cannot tell them apart):
+for a class a site lacks, pi1 in Eq. 3 is the positive rate among its tags (``missing_prior="tags"``; the
+paper defines pi for labeled classes only; the released code divides the tagged positives by all the site's
+cases, ``missing_prior="cases"``, which the project cannot run); no adjustment while a rate is 0, 1 or
+undefined; the consistency MSE is averaged over the entries it covers (the released code divides by batch x
+missing classes); both stages train on both views (the released code's stage 2 on the first only).
 """
 
 from __future__ import annotations
@@ -61,15 +67,20 @@ PAPER = {
     "consistency_weight": (1.0, "paper Sec. 2.4: WPC for labels and tags, MSE for the soft labels (no weight "
                                 "printed), in stage 2 (stage 1 trains WPC alone, Sec. 2.2; the released code runs "
                                 "the MSE in stage 1 and not in stage 2)"),
-    "two_views": (True, "paper Sec. 2.2 (augmented views, as in semi-supervised learning); released code: "
-                        "image_aug_1 and image_aug_2, the loss their mean, in stage 1 (its stage 2 trains on the "
-                        "first view only; the paper does not say, and both stages use both views here)"),
+    "two_views": (True, "released code: image_aug_1 and image_aug_2, the loss their mean, in stage 1 (its stage 2 "
+                        "trains on the first view only); the paper (Sec. 2.2) says only that it augments, as "
+                        "semi-supervised learning does; both stages use both views here (the project's reading)"),
+    "missing_prior": ("tags", "not printed (the paper defines pi for labeled classes): the positive rate among a "
+                              "site's tags, the project's reading; the released code's rule is 'cases' (tagged "
+                              "positives over all the site's cases)"),
 }
 # What both sides train with in benchmarks/reference_check.py --rows fedmlp: the paper's values; the network,
 # the input and the augmentation are the check's preset's.
 CHECK = {key: value for key, (value, _) in PAPER.items() if key != "rounds"}
 LEFT_OUT = {
     "network": "the preset's ResNet-18 (width 0.25) from scratch at 32 px, not an ImageNet ResNet-18 at 224 px",
+    "input": "the preset's 0-255 to [-1, 1] scaling of grey 32 px images, not the released code's ImageNet "
+             "normalisation at 224 px",
     "views": "the bundle's two views (the weak affine and contrast change; the strong view adds a contrast change, "
              "Gaussian noise and a dropped square), not the released code's transforms",
     "rounds": "the check's budget",
@@ -154,8 +165,10 @@ def fedavg(states: list, sizes: list) -> dict:
 class Site:
     """A site's cases, its permanent tags and its round. ``y``: labels, -1 where the site does not annotate."""
 
-    def __init__(self, x, y, logit_adjustment: bool = True):
-        self.x, self.y, self.logit_adjustment = x, y, logit_adjustment
+    def __init__(self, x, y, logit_adjustment: bool = True, missing_prior: str = "tags"):
+        if missing_prior not in ("tags", "cases"):
+            raise ValueError(f"missing_prior {missing_prior!r}: 'tags' or 'cases'")
+        self.x, self.y, self.logit_adjustment, self.missing_prior = x, y, logit_adjustment, missing_prior
         self.annotated = (y >= 0).any(0)
         self.tags = torch.full_like(y, -1.0)
         self.optimizer = None
@@ -163,7 +176,9 @@ class Site:
     def shift(self) -> torch.Tensor:
         if not self.logit_adjustment:
             return torch.zeros(self.y.shape[1])
-        lab = torch.where(self.annotated, (self.y >= 0).sum(0), (self.tags >= 0).sum(0))
+        n = len(self.y)
+        tagged = (self.tags >= 0).sum(0) if self.missing_prior == "tags" else torch.full((self.y.shape[1],), n)
+        lab = torch.where(self.annotated, (self.y >= 0).sum(0), tagged)
         pos = torch.where(self.annotated, (self.y == 1).sum(0), (self.tags == 1).sum(0))
         return logit_shift(pos, lab)
 
@@ -260,7 +275,8 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 3e-5, batch_s
         weight_decay: float = 5e-4, carry_optimizer: bool = False, epochs: int = 1, warmup_rounds: int = 50,
         low: float = 0.3, high: float = 0.7, tau0: float = 0.005, tau1: float = 0.01, logit_adjustment: bool = True,
         adaptive_threshold: bool = True, degree_sites: str = "missing", consistency_weight: float = 1.0,
-        two_views: bool = True, widen: float = 0.25, scaling: str = "fixed", log=print) -> dict:
+        two_views: bool = True, missing_prior: str = "tags", widen: float = 0.25, scaling: str = "fixed",
+        log=print) -> dict:
     """FedMLP over a prepared partial-label scenario (label -1: not annotated). Test metric: the mean
     one-vs-rest AUROC of the global model on the pooled test split."""
     from .fedavg_multilabel import ResNet18, augment, load_split, macro_auroc
@@ -271,7 +287,7 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 3e-5, batch_s
     scenario = yaml.safe_load((data / "scenario.yaml").read_text())
     n_classes = len(scenario["classes"])
     sites = [Site(*load_split(data / s, json.loads((data / s / "datalist.json").read_text())["training"], scaling),
-                  logit_adjustment) for s in scenario["sites"]]
+                  logit_adjustment, missing_prior) for s in scenario["sites"]]
     test = load_split(data / "test", json.loads((data / "test" / "datalist.json").read_text())["testing"], scaling)
     sizes = [len(s.y) for s in sites]
     annotators = [[k for k, s in enumerate(sites) if s.annotated[c]] for c in range(n_classes)]

@@ -1,19 +1,23 @@
 """FedPSL (Dong et al., ../shared/papers/000_*) in plain PyTorch: no fedlabels, no MONAI. The paper has no
-released code; everything here is read from it (Sec. VI, Algorithms 1-2, Sec. VII-B3).
+released code; everything here is read from it (Sec. VI, Algorithms 1-2, Sec. VII-D3).
 
 * **TADL** (Algorithm 1, Eq. 11), per mini-batch split in half (Sec. VI-B: "we simply split the minibatch into
   half"; here the first ceil(B/2) cases are B_train): theta' = theta - alpha grad_theta L_Btrain(g_phi o f_theta)
-  (line 6, a plain differentiable SGD step: Sec. VI-B approximates Eq. 10 "with stochastic gradient descent");
-  phi <- phi - alpha grad_phi L_Btrain (line 7); theta <- theta - beta grad_theta L_Bval(g_phi o f_theta')
-  (line 9, phi the updated head, second order through theta'). Lines 7 and 9 are Adam steps (Sec. VII-B3: "a
+  (line 6); phi <- phi - alpha grad_phi L_Btrain (line 7); theta <- theta - beta grad_theta L_Bval(g_phi o f_theta')
+  (line 9, phi the updated head, second order through theta'). Lines 7 and 9 are Adam steps (Sec. VII-D3: "a
   standard Adam optimizer ... alpha = beta = 1e-3"), one Adam for phi and one for theta.
 * **TDMA** (Eq. 9): the feature extractor theta averaged by n_k; the head row c (weights and bias) by n_k^c, the
   site's cases labeled for c (0 for a site without c). A class no site labels keeps its row (Eq. 9 is 0/0).
-* **Loss** (Sec. VII-B3): BCE over the labeled entries, each class's positives weighted by N_neg / N_pos over the
+* **Loss** (Sec. VII-D3): BCE over the labeled entries, each class's positives weighted by N_neg / N_pos over the
   site's cases labeled for it.
 
 phi is the head ``fc`` (the last linear layer), theta every other parameter. Batch norm runs in training mode
 in both forwards of a batch (each half normalised by its own statistics).
+
+Readings of what the paper leaves open (the project reads them the same way, so the check cannot tell them
+apart): line 6 is a plain differentiable SGD step at alpha (Sec. VI-B "approximate[s] Eq. (10) with SGD"; the
+paper's ``higher`` package could also unroll an Adam step, and at alpha = 1e-3 an SGD step moves theta far less);
+the BCE is averaged over the labeled entries; N_neg / N_pos is counted over each site's own cases.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ from torch.nn import functional as F
 
 # (value, source); FedPSL has no released code, so a value the paper does not print says so.
 PAPER = {
-    "lr": (1e-3, "paper Sec. VII-B3: Adam, alpha = beta = 1e-3"),
-    "epochs": (10, "paper Sec. VII-B3: aggregation every 10 epochs"),
-    "rounds": (10, "paper Sec. VII-B3: 100 epochs, aggregation every 10"),
+    "lr": (1e-3, "paper Sec. VII-D3: Adam, alpha = beta = 1e-3"),
+    "epochs": (10, "paper Sec. VII-D3: aggregation every 10 epochs"),
+    "rounds": (10, "paper Sec. VII-D3: 100 epochs, aggregation every 10"),
     "batch_size": (16, "not printed (no released code): the check's preset's"),
     "carry_optimizer": (False, "not printed (no released code): a fresh Adam each round"),
     "second_order": (True, "paper Eq. 11: the meta-gradient through theta' (the paper used the higher package)"),
@@ -46,7 +50,7 @@ LEFT_OUT = {
 
 
 def pos_weight(y) -> torch.Tensor:
-    """Sec. VII-B3: per class N_neg / N_pos over the cases labeled for it (1 where either count is 0)."""
+    """Sec. VII-D3: per class N_neg / N_pos over the cases labeled for it (1 where either count is 0)."""
     pos, neg = (y == 1).sum(0).double(), (y == 0).sum(0).double()
     return torch.where((pos > 0) & (neg > 0), neg / pos.clamp(min=1), torch.ones_like(pos)).float()
 

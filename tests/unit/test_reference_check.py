@@ -259,6 +259,8 @@ def test_the_fedmlp_row_gets_the_references_settings_as_options_the_method_takes
     assert opts["fedmlp:tau0"] == "0.1" and opts["fedmlp:adaptive_threshold"] == "false"
     with pytest.raises(ValueError, match="multi-label preset"):
         rc.project_settings("isofed", "fedmlp", dict(fedmlp.CHECK))
+    with pytest.raises(ValueError, match="missing_prior"):  # the released code's rule: the project has no option
+        rc.project_settings("fedmlp_blood", "fedmlp", {**fedmlp.CHECK, "missing_prior": "cases"})
 
 
 def test_the_fedpsl_row_gets_the_references_settings_as_options_the_method_takes():

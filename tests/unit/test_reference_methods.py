@@ -529,6 +529,12 @@ def test_fedmlp_reference_rules_by_hand():
     # d_c^G by size over the sites given; 1 where none
     d = rm.global_degree([torch.tensor([0.2, 0.4]), torch.tensor([0.8, 0.4])], [10, 30], [[0, 1], []])
     assert d.tolist() == pytest.approx([0.65, 1.0])
+    # a missing class's prior: the rate among the site's tags (1 of 2 -> no shift) or over all its cases (1 of 4)
+    site = rm.Site(torch.zeros(4, 1, 2, 2), torch.tensor([[1.0, -1.0], [0.0, -1.0], [0.0, -1.0], [0.0, -1.0]]))
+    site.tags[0, 1], site.tags[1, 1] = 1.0, 0.0
+    np.testing.assert_allclose(site.shift().numpy(), [math.log(1 / 3), 0.0], rtol=1e-6)
+    site.missing_prior = "cases"
+    np.testing.assert_allclose(site.shift().numpy(), [math.log(1 / 3), math.log(1 / 3)], rtol=1e-6)
     # FedAvg by case counts; integer buffers rounded
     avg = rm.fedavg([{"w": torch.tensor([0.0]), "n": torch.tensor(1)},
                      {"w": torch.tensor([4.0]), "n": torch.tensor(4)}], [3, 1])
@@ -536,11 +542,13 @@ def test_fedmlp_reference_rules_by_hand():
 
 
 def test_project_fedmlp_federation_equals_the_reference_over_three_rounds():
-    """FedMLP, two sites (site-1 annotates class a, site-2 classes b and c), warm-up of one round, Adam fresh
-    each round. Round 0: stage 1 (WPC with the logit shift), then both send prototypes and degrees; rounds 1-2:
-    stage 2 (each site tags its missing classes with the received model and the adaptive ratios, and trains
-    WPC plus the consistency term). The project's clients and server against the reference's sites and
-    rules: the tags, the prototypes and the weights. One batch holding every case, fixed views."""
+    """FedMLP, three sites of different sizes (site-1: 8 cases, classes a and b; site-2: 6, b and c; site-3: 5, a),
+    warm-up of one round, Adam fresh each round. Round 0: stage 1 (WPC with the logit shift), then every site sends
+    prototypes and degrees; rounds 1-2: stage 2 (each site tags its missing classes with the received model and the
+    adaptive ratios, and trains WPC plus the consistency term). The project's clients and server against the
+    reference's sites and rules: the tags, each site's prototypes, degrees and weights, and the server's global
+    prototypes (Eq. 6, two sites for a and for b), global degrees (by size over the sites lacking the class) and
+    weights (by size). One batch holding every case, fixed views."""
     from fedlabels.methods import get
     from fedlabels.methods.base import to_numpy
     from fedlabels.profile import SiteProfile
@@ -548,12 +556,12 @@ def test_project_fedmlp_federation_equals_the_reference_over_three_rounds():
 
     s = {**rm.CHECK, "lr": 0.05, "warmup_rounds": 1, "tau0": 0.7, "tau1": 0.7, "low": 0.45, "high": 0.55}
     g = torch.Generator().manual_seed(11)
-    n, classes = 8, ("a", "b", "c")
-    full = (torch.rand(2, n, 3, generator=g) < 0.5).float()
-    spec = {"site-1": ("a",), "site-2": ("b", "c")}
+    classes = ("a", "b", "c")
+    spec, sizes = {"site-1": ("a", "b"), "site-2": ("b", "c"), "site-3": ("a",)}, {"site-1": 8, "site-2": 6, "site-3": 5}
     data = {}
-    for k, (site, mine) in enumerate(spec.items()):
-        y = full[k].clone()
+    for site, mine in spec.items():
+        n = sizes[site]
+        y = (torch.rand(n, 3, generator=g) < 0.5).float()
         y[:, [c for c in range(3) if classes[c] not in mine]] = -1.0
         data[site] = (torch.randn(n, 1, 5, 5, generator=g), torch.randn(n, 1, 5, 5, generator=g), y)
     method = get("fedmlp")
@@ -565,12 +573,14 @@ def test_project_fedmlp_federation_equals_the_reference_over_three_rounds():
     clients, sites = {}, {}
     for site, (x, xs, y) in data.items():
         profile = SiteProfile(site, "multilabel", classes, spec[site], "image")
-        batch = {"image": x, "image_strong": xs, "label": y, "index": torch.arange(n)}
+        batch = {"image": x, "image_strong": xs, "label": y, "index": torch.arange(sizes[site])}
         ctx = site_context(profile, [batch], labels=y.long().tolist())
         clients[site] = method.make_client(_TinyResNet(), ctx, **client_opts)
-        sites[site] = rm.Site(x, y)
+        sites[site] = rm.Site(x, y, missing_prior=s["missing_prior"])
     server.setup({site: c.ctx.summary for site, c in clients.items()})
     weights = to_numpy(_TinyResNet().state_dict())
+    n = list(sizes.values())
+    lacking = [[k for k, site in enumerate(spec) if classes[c] not in spec[site]] for c in range(3)]
 
     rnet = _TinyResNet()
     rglobal = _TinyResNet()
@@ -605,15 +615,20 @@ def test_project_fedmlp_federation_equals_the_reference_over_three_rounds():
                 np.testing.assert_allclose(u.extras["prototypes"][str(c)], pc.numpy(), rtol=0, atol=1e-5)
             np.testing.assert_allclose(u.extras["degree"], dk.numpy(), atol=1e-12)
         weights = server.aggregate(updates, weights, rnd)
-        rglobal.load_state_dict(rm.fedavg(states, [n, n]))
+        rglobal.load_state_dict(rm.fedavg(states, n))
         protos = {**protos, **rm.global_prototypes(sent)}
-        missing = [[k for k, site in enumerate(spec) if classes[c] not in spec[site]] for c in range(3)]
-        degree = rm.global_degree(degrees, [n, n], missing)
+        degree = rm.global_degree(degrees, n, lacking)
         for k, v in rglobal.state_dict().items():
             np.testing.assert_allclose(weights[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"global {rnd} {k}")
+        assert sorted(server.prototypes) == sorted(protos)
+        for c, pc in protos.items():
+            np.testing.assert_allclose(server.prototypes[c], pc.numpy(), rtol=0, atol=1e-5, err_msg=f"{rnd} {c}")
+        np.testing.assert_allclose(server.degree, degree.numpy(), atol=1e-12)
         tagged.append([int((ref.tags >= 0).sum()) for ref in sites.values()])
-    # the rounds exercised the detection: no tags after stage 1, tags on both sites after it, more in round 2
-    assert tagged[0] == [0, 0] and all(t > 0 for t in tagged[1]) and sum(tagged[2]) > sum(tagged[1]), tagged
+    # the rounds exercised the detection: no tags after stage 1, tags on every site after it, more in round 2
+    assert tagged[0] == [0, 0, 0] and all(t > 0 for t in tagged[1]) and sum(tagged[2]) > sum(tagged[1]), tagged
+    # the rules the sizes tell apart were used: two sites sent a's and b's prototypes, two lack c
+    assert len(lacking[2]) == 2 and all(sum(c in p for p in sent) == 2 for c in (0, 1))
 
 
 def test_fedpsl_reference_rules_by_hand():
@@ -623,12 +638,12 @@ def test_fedpsl_reference_rules_by_hand():
     assert rp.pos_weight(y).tolist() == [3.0, 1.0]  # class 0: 3 negatives / 1 positive; class 1: no negative
     # BCE of the 5 labeled entries at logit 0, class 0's positive weighted 3: (3 + 1 + 1 + 1 + 1) log 2 / 5
     assert float(rp.loss_fn(torch.zeros(4, 2), y, torch.tensor([3.0, 1.0]))) == pytest.approx(7 * math.log(2) / 5)
-    # Eq. 9: the feature by n_k (3:1), head rows by n_k^c; class 2 labeled by nobody keeps its row
+    # Eq. 9: the feature by n_k (1:1), head rows by n_k^c (1:0, 3:1); class 2 labeled by nobody keeps its row
     states = [{"f": torch.tensor([0.0]), "fc.weight": torch.tensor([[1.0], [1.0], [5.0]]), "fc.bias": torch.ones(3)},
               {"f": torch.tensor([4.0]), "fc.weight": torch.tensor([[9.0], [3.0], [7.0]]), "fc.bias": torch.zeros(3)}]
     glob = {"f": torch.tensor([0.0]), "fc.weight": torch.full((3, 1), 2.0), "fc.bias": torch.full((3,), 2.0)}
-    out = rp.tdma(states, [3, 1], [[1, 3, 0], [0, 1, 0]], glob)
-    assert out["f"].tolist() == [1.0]
+    out = rp.tdma(states, [1, 1], [[1, 3, 0], [0, 1, 0]], glob)  # n_k^c is not proportional to n_k
+    assert out["f"].tolist() == [2.0]
     assert out["fc.weight"].flatten().tolist() == [1.0, 1.5, 2.0] and out["fc.bias"].tolist() == [1.0, 0.75, 2.0]
 
 
@@ -653,6 +668,8 @@ def test_project_fedpsl_federation_equals_the_reference_over_two_rounds():
         n = sizes[site]
         y = (torch.rand(n, 3, generator=g) < 0.4).float()
         y[:, [c for c in range(3) if classes[c] not in mine]] = -1.0
+        if site == "site-2":
+            y[:2, 1] = -1.0  # two cases without a label for b: n_k^c 4 of 6 cases
         x = torch.randn(n, 1, 5, 5, generator=g)
         data[site] = (x, y)
         ctx = site_context(SiteProfile(site, "multilabel", classes, mine, "image"), [{"image": x, "label": y}],
