@@ -512,10 +512,13 @@ COVERAGE = [
     ("`partial_label_study` (embedded chest X-rays; BloodMNIST with per-image min-max scaling)", "unchecked"),
     ("`bench_cxr` at 64 px", "unchecked (the `cxr` check runs 32 px)"),
     ("`fedmlp`, `fedmlp-preset`, `fedmlp-scale`, `fedmlp-cxr` (FedMLP, FedPSL, Surgical and the other multi-label rows)",
-     "the upper bound's training path (`oracle:fedavg`, `fedmlp_blood` and `cxr` presets); `surgical` against its "
-     "training reference (`benchmarks/reference/surgical.py`, the paper's settings) on BloodMNIST one class a site "
-     "(`fedmlp-preset`'s missing-7 level), not with the preset's settings; FedMLP, FedPSL and the other "
-     "multi-label rows unchecked"),
+     "the upper bound's training path (`oracle:fedavg`, `fedmlp_blood` and `cxr` presets); on BloodMNIST one class a "
+     "site (`fedmlp-preset`'s missing-7 level): `surgical` against its training reference "
+     "(`benchmarks/reference/surgical.py`) with the paper's settings, not the preset's; `fedmlp` against "
+     "`benchmarks/reference/fedmlp.py` with the published row \"FedMLP, T0 = T1 = 10 %, no ST\"'s settings; `fedpsl` "
+     "against `benchmarks/reference/fedpsl.py` with the published row's settings (the preset's, 1 local epoch); "
+     "FedMLP's other rows and ablations, the other levels, `fedmlp-cxr`, `fedmlp-scale`, and FedAvg, FedAvg-PL, "
+     "FedFixMatch, FedNoRo and RSCFed unchecked"),
     ("`fedmix-ph2`, `fedmix-lesion` (FedMix, FedST, FedAvg)",
      "on PH2 at 32 px: the upper bound's training path (`oracle:fedavg`, two training seeds); `fedmix` [U, U, L] "
      "and [B, B, L] and `oracle:fedadaptagg` against their reference (`benchmarks/reference/fedmix.py`) with the "
