@@ -100,6 +100,24 @@ def augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.where(contrast[:, None, None, None], adjusted, x)
 
 
+def load_scenario(data: Path, scaling: str, labels: str = "datalist.json") -> tuple:
+    """A prepared scenario: (classes, [(x, y) per site] from each site's ``labels`` file, (x, y) of the test split)."""
+    scenario = yaml.safe_load((data / "scenario.yaml").read_text())
+    sites = [load_split(data / s, json.loads((data / s / labels).read_text())["training"], scaling)
+             for s in scenario["sites"]]
+    test = load_split(data / "test", json.loads((data / "test" / "datalist.json").read_text())["testing"], scaling)
+    return scenario["classes"], sites, test
+
+
+def batcher(gen: torch.Generator, batch_size: int, smallest: int = 2):
+    """Each epoch's batches of case indices, shuffled by ``gen``; a last batch under ``smallest`` cases is dropped
+    (batch norm cannot train on one case)."""
+    def batches(n):
+        order = torch.randperm(n, generator=gen)
+        return [order[i:i + batch_size] for i in range(0, n, batch_size) if min(batch_size, n - i) >= smallest]
+    return batches
+
+
 @torch.no_grad()
 def macro_auroc(net, images, labels) -> float:
     from sklearn.metrics import roc_auc_score

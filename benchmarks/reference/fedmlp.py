@@ -35,13 +35,11 @@ missing classes); both stages train on both views (the released code's stage 2 o
 from __future__ import annotations
 
 import copy
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 from torch.nn import functional as F
 
 from .surgical import features
@@ -279,27 +277,20 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 3e-5, batch_s
         log=print) -> dict:
     """FedMLP over a prepared partial-label scenario (label -1: not annotated). Test metric: the mean
     one-vs-rest AUROC of the global model on the pooled test split."""
-    from .fedavg_multilabel import ResNet18, augment, load_split, macro_auroc
+    from .fedavg_multilabel import ResNet18, augment, batcher, load_scenario, macro_auroc
 
     if degree_sites not in ("missing", "annotating"):
         raise ValueError(f"degree_sites {degree_sites!r}: 'missing' or 'annotating'")
-    data = Path(data)
-    scenario = yaml.safe_load((data / "scenario.yaml").read_text())
-    n_classes = len(scenario["classes"])
-    sites = [Site(*load_split(data / s, json.loads((data / s / "datalist.json").read_text())["training"], scaling),
-                  logit_adjustment, missing_prior) for s in scenario["sites"]]
-    test = load_split(data / "test", json.loads((data / "test" / "datalist.json").read_text())["testing"], scaling)
+    classes, loaded, test = load_scenario(Path(data), scaling)
+    n_classes = len(classes)
+    sites = [Site(x, y, logit_adjustment, missing_prior) for x, y in loaded]
     sizes = [len(s.y) for s in sites]
     annotators = [[k for k, s in enumerate(sites) if s.annotated[c]] for c in range(n_classes)]
     sites_for = annotators if degree_sites == "annotating" else \
         [[k for k in range(len(sites)) if k not in annotators[c]] for c in range(n_classes)]
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-
-    def batches(n):
-        order = torch.randperm(n, generator=gen)
-        # a last batch of one case is dropped: batch norm cannot train on one case
-        return [order[i:i + batch_size] for i in range(0, n, batch_size) if min(batch_size, n - i) > 1]
+    batches = batcher(gen, batch_size)
 
     def weak(x):
         return augment(x, gen)

@@ -22,13 +22,11 @@ the BCE is averaged over the labeled entries; N_neg / N_pos is counted over each
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 from torch.func import functional_call
 from torch.nn import functional as F
 
@@ -118,24 +116,16 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 1e-3, epochs:
         log=print) -> dict:
     """FedPSL over a prepared partial-label scenario (label -1: not labeled). Augmentation: the bundle's affine and
     contrast change. Test metric: the mean one-vs-rest AUROC of the global model on the pooled test split."""
-    from .fedavg_multilabel import ResNet18, augment, load_split, macro_auroc
+    from .fedavg_multilabel import ResNet18, augment, batcher, load_scenario, macro_auroc
 
-    data = Path(data)
-    scenario = yaml.safe_load((data / "scenario.yaml").read_text())
-    n_classes = len(scenario["classes"])
-    sites = [load_split(data / s, json.loads((data / s / "datalist.json").read_text())["training"], scaling)
-             for s in scenario["sites"]]
-    test = load_split(data / "test", json.loads((data / "test" / "datalist.json").read_text())["testing"], scaling)
+    classes, sites, test = load_scenario(Path(data), scaling)
+    n_classes = len(classes)
     sizes = [len(y) for _, y in sites]
     labeled = [(y >= 0).sum(0).tolist() for _, y in sites]
     weights = [pos_weight(y) for _, y in sites]
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-
-    def batches(n):
-        order = torch.randperm(n, generator=gen)
-        # each half needs two cases for batch norm: a last batch under 4 cases is dropped
-        return [order[i:i + batch_size] for i in range(0, n, batch_size) if min(batch_size, n - i) >= 4]
+    batches = batcher(gen, batch_size, smallest=4)  # each half needs two cases for batch norm
 
     global_net = ResNet18(1, n_classes, widen)
     nets = [ResNet18(1, n_classes, widen) for _ in sites]

@@ -19,13 +19,11 @@ sites' classes) keeps its previous global row.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 
 def aggregate(states: list, masks: list, global_state: dict, head: str, weights=None) -> dict:
@@ -129,24 +127,16 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 5e-5, batch_s
     averages the features unweighted (Eq. 1) and each head row over the sites annotating its class
     (``aggregate``: Eq. 2-3). Augmentation: the bundle's affine and contrast change. Test metric: the mean
     one-vs-rest AUROC."""
-    from .fedavg_multilabel import ResNet18, augment, load_split, macro_auroc
+    from .fedavg_multilabel import ResNet18, augment, batcher, load_scenario, macro_auroc
 
     if optimizer != "adam":
         raise ValueError(f"optimizer {optimizer!r}: the reference runs the released code's Adam")
-    data = Path(data)
-    scenario = yaml.safe_load((data / "scenario.yaml").read_text())
-    n_classes = len(scenario["classes"])
-    sites = [load_split(data / s, json.loads((data / s / "datalist.json").read_text())["training"], scaling)
-             for s in scenario["sites"]]
+    classes, sites, test = load_scenario(Path(data), scaling)
+    n_classes = len(classes)
     masks = [(y >= 0).any(0).numpy() for _, y in sites]  # the classes each site annotates
-    test = load_split(data / "test", json.loads((data / "test" / "datalist.json").read_text())["testing"], scaling)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-
-    def batches(n):
-        order = torch.randperm(n, generator=gen)
-        # a last batch of one case is dropped: batch norm cannot train on one case
-        return [order[i:i + batch_size] for i in range(0, n, batch_size) if min(batch_size, n - i) > 1]
+    batches = batcher(gen, batch_size)
 
     def aug(x):
         return augment(x, gen)
