@@ -168,6 +168,8 @@ def project_cell(preset: str, data: Path, seed: int, rounds: int, eval_rounds: l
             m[r["metric"]] = r["value"]
         elif r["metric"] == "recall" and r["class"] != bench.MEAN:  # a class predicted for no case has recall 0
             m["classes_predicted"] = m.get("classes_predicted", 0) + int(bool(r["value"]))
+    for r, tags in tag_counts(out["records"], metrics).items():
+        metrics[r]["tags"] = tags
     for r, m in metrics.items():
         log(f"[project] {method} seed {seed} round {r}: {m}")
     seconds = [rec["seconds"] for rec in out["records"]]
@@ -176,6 +178,19 @@ def project_cell(preset: str, data: Path, seed: int, rounds: int, eval_rounds: l
                for rec in out["records"] if rec.get("dropped") or rec.get("abstained")}
     return {"metrics": metrics, "seconds_per_round": float(np.mean(seconds)), "seconds": seconds,
             "validation_seconds_per_round": validating[0] / rounds, "dropped": dropped}
+
+
+def tag_counts(records: list, eval_rounds) -> dict:
+    """FedMLP's tags made up to each eval round (1-based), summed over sites: {round: [negatives, positives]},
+    as ``benchmarks/reference/fedmlp.py`` reports them; empty for a row that tags nothing (no such record)."""
+    if not any("tagged_negatives" in st for rec in records for st in rec["sites"].values()):
+        return {}
+    out = {}
+    for r in eval_rounds:
+        made = [st for rec in records if rec["round"] < r for st in rec["sites"].values()]
+        out[r] = [sum(int(st.get("tagged_negatives") or 0) for st in made),
+                  sum(int(st.get("tagged_positives") or 0) for st in made)]
+    return out
 
 
 def compare(preset, data: Path, seed: int, rounds: int, eval_rounds: list, work: Path, reference_scaling=None,
@@ -666,6 +681,7 @@ def _methods_section(label, preset, cs_all, tolerance) -> list:
                                              for side in (a, b, q)) + " |")
                 lines.append(line)
         lines.append("")
+    lines += _tags_lines(cs_all)
     lost = []
     for c in sorted(cs_all, key=lambda c: (list(METHOD_ROWS).index(c["row"]), c["seed"])):
         by_site = {}
@@ -695,6 +711,26 @@ def _methods_section(label, preset, cs_all, tolerance) -> list:
               + ", ".join(f"{c['load'][0]:.1f}-{c['load'][1]:.1f}" for c in cs_all if c.get("load"))
               + f", on {os.cpu_count()} cores.", ""]
     return lines
+
+
+def _tags_lines(cs_all: list) -> list:
+    """FedMLP's tag counts at the last eval round, per split: the project's two runs beside the reference's."""
+    cs = sorted((c for c in cs_all if any("tags" in m for m in c["reference_run"]["metrics"].values())),
+                key=lambda c: (c["row"], c["seed"]))
+    if not cs:
+        return []
+
+    def tags(side, r):
+        t = side["metrics"].get(str(r), {}).get("tags")
+        return "not recorded" if t is None else f"{t[0]:,} / {t[1]:,}"
+
+    parts = []
+    for c in cs:
+        r = max(int(k) for k in c["reference_run"]["metrics"])
+        parts.append(f"`{c['row']}` split {c['seed']}, round {r}: "
+                     + ", ".join(tags(side, r) for side in (*c["projects"], c["reference_run"])))
+    return ["Tags made by the last eval round (negative / positive, all sites), project A, project B, reference: "
+            + "; ".join(parts) + ".", ""]
 
 
 def table(out: Path, tolerance: dict = TOLERANCE) -> str:

@@ -289,3 +289,15 @@ def test_one_class_everywhere_reads_every_run_of_both_sides():
     assert rc.one_class_everywhere([cell(1, 1, 1), cell(1, 1, 1)], 5)
     assert not rc.one_class_everywhere([cell(1, 1, 1), cell(1, 2, 1)], 5)
     assert not rc.one_class_everywhere([cell(1, 1, 2)], 5)
+
+
+def test_tag_counts_sum_the_sites_tags_made_before_each_eval_round():
+    import reference_check as rc
+
+    # engine records: 0-based rounds; FedMLP reports the tags each site made in that round
+    records = [{"round": 0, "sites": {"a": {"tagged_negatives": 0, "tagged_positives": 0}, "b": {}}},
+               {"round": 1, "sites": {"a": {"tagged_negatives": 5, "tagged_positives": 2},
+                                      "b": {"tagged_negatives": 1, "tagged_positives": 3}}},
+               {"round": 2, "sites": {"a": {"tagged_negatives": 4, "tagged_positives": 0}}}]
+    assert rc.tag_counts(records, [1, 2, 3]) == {1: [0, 0], 2: [6, 5], 3: [10, 5]}
+    assert rc.tag_counts([{"round": 0, "sites": {"a": {"loss": 0.3}}}], [1]) == {}  # a row that tags nothing
