@@ -1,6 +1,6 @@
 """The project's rows against independent plain-PyTorch references, with an equivalence criterion.
 
-Methods (IsoFed's table, Surgical Aggregation, FedMix; ``--rows``)::
+Methods (IsoFed's table, Surgical Aggregation, FedMLP and its FedAvg baselines, FedPSL, FedMix; ``--rows``)::
 
     python benchmarks/reference_check.py --preset isofed --rows oracle:wfedavg,isofed,mt_wfedavg \
         --data 'DIR-s{seed}' --seeds 0,1,2 --rounds 20 --eval-rounds 5,10,20 --label pneumoniamnist-g0.8-1L3U
@@ -12,8 +12,9 @@ Methods (IsoFed's table, Surgical Aggregation, FedMix; ``--rows``)::
 Per split s (one prepared split each; ``{seed}`` in ``--data``) and row, the project's row runs twice
 (``fedlabels bench``'s in-process round engine, training seeds s and s + ``SEED_OFFSET``) and its reference
 once: ``benchmarks/reference/semisup.py`` with ``semisup.CHECK`` (RSCFed's released values where the project
-can express them), ``benchmarks/reference/surgical.py`` with ``surgical.CHECK`` and
-``benchmarks/reference/fedmix.py`` with ``fedmix.CHECK`` (the paper's values); both sides train with them
+can express them); ``surgical.py``, ``fedmlp.py``, ``partial_fedavg.py`` (FedMLP's FedAvg and FedAvg-PL),
+``fedpsl.py`` and ``fedmix.py`` with their ``CHECK`` (the paper's values, the released code's or a stated
+choice where the paper prints none, each source in the module's ``PAPER``); both sides train with them
 (``project_settings`` turns them into the row's options and stops on any it cannot; ``--set KEY=VALUE``
 changes one of them on both sides).
 
@@ -307,11 +308,12 @@ def verdict(a: dict, b: dict) -> str:
 # that implements each is method_reference's
 METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False), "isofed_nopt": ("isofed_nopt", False),
                "surgical": ("surgical", False), "fedmlp": ("fedmlp", False),
-               "fedpsl": ("fedpsl", False),
+               "fedpsl": ("fedpsl", False), "fedavg": ("fedavg", False), "fedavg_pl": ("fedavg_pl", False),
                "mt_wfedavg": ("mt_wfedavg", False), "fedmix": ("fedmix", False),
                "oracle:fedadaptagg": ("fedadaptagg", True)}
 # the kind of preset each row's reference trains (the others: classification)
-ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multilabel", "fedmix": "segmentation",
+ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multilabel", "fedavg": "multilabel",
+            "fedavg_pl": "multilabel", "fedmix": "segmentation",
             "oracle:fedadaptagg": "segmentation"}
 SEED_OFFSET = 1000  # the project's second training seed on split s is s + SEED_OFFSET
 # The project's strong view is its weak view further transformed (fedlabels.site.TwoViews); a second random
@@ -333,6 +335,8 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         return fedmlp_settings(preset, s)
     if row == "fedpsl":
         return fedpsl_settings(preset, s)
+    if row in ("fedavg", "fedavg_pl"):
+        return partial_fedavg_settings(preset, row, s)
     if ROW_KIND.get(row) == "segmentation":
         return fedmix_settings(preset, row, s)
     if s["distance"] != "paper":
@@ -402,6 +406,21 @@ def fedpsl_settings(preset: str, s: dict) -> dict:
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
 
 
+def partial_fedavg_settings(preset: str, row: str, s: dict) -> dict:
+    """The project's ``fedavg`` (missing labels as negatives) or ``fedavg_pl`` (partial loss) row with the
+    reference's settings ``s`` (partial_fedavg.CHECK: FedMLP's paper, its released code where it prints none)."""
+    if REFERENCES[preset][0] != "multilabel":
+        raise ValueError(f"{row}: a multi-label preset, not {preset!r}")
+    if s["pos_weight"] not in ("none", "neg_over_pos"):
+        raise ValueError(f"pos_weight {s['pos_weight']!r}: the project weighs positives by N_neg / N_pos "
+                         "('neg_over_pos') or not at all ('none')")
+    client = {"optimizer": "adam", "lr": s["lr"], "weight_decay": s["weight_decay"],
+              "reset_optimizer": not s["carry_optimizer"], "pos_weighted": s["pos_weight"] == "neg_over_pos"}
+    server = {"weighted": True}  # FedAvg by case counts
+    opts = [f"{row}:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
+    return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
+
+
 def fedmix_settings(preset: str, row: str, s: dict) -> dict:
     """The project's ``fedmix`` or ``oracle:fedadaptagg`` row with the reference's settings ``s`` (fedmix.CHECK:
     the paper's, the released code's where it prints none). The reference augments as the preset does (a random
@@ -422,17 +441,18 @@ def fedmix_settings(preset: str, row: str, s: dict) -> dict:
 
 def method_reference(row: str):
     """The module of ``benchmarks/reference/`` that implements ``row``'s method."""
-    from reference import fedmix, fedmlp, fedpsl, semisup, surgical
+    from reference import fedmix, fedmlp, fedpsl, partial_fedavg, semisup, surgical
 
     return {"surgical": surgical, "fedmlp": fedmlp, "fedpsl": fedpsl, "fedmix": fedmix,
-            "oracle:fedadaptagg": fedmix}.get(row, semisup)  # semisup: IsoFed, MT+wFedAvg and wFedAvg
+            "oracle:fedadaptagg": fedmix, "fedavg": partial_fedavg,
+            "fedavg_pl": partial_fedavg}.get(row, semisup)  # semisup: IsoFed, MT+wFedAvg and wFedAvg
 
 
 def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
                     log=print, settings: dict | None = None, image_size: int | None = None) -> dict:
     """One split, one row: the project twice (training seeds ``split`` and ``split + SEED_OFFSET``) and the
     method reference once (seed ``split``), one after the other in this process."""
-    from reference import fedmix, fedmlp, fedpsl, semisup, surgical
+    from reference import fedmix, fedmlp, fedpsl, partial_fedavg, semisup, surgical
 
     reference = method_reference(row)
     s = {**reference.CHECK, **(settings or {})}
@@ -446,10 +466,11 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
         runs.append({**run, "train_seed": seed})
     method, oracle = METHOD_ROWS[row]
     # the multi-label references read the preset's network width and scaling, as the FedAvg check does
-    if reference in (surgical, fedmlp, fedpsl):
+    if reference in (surgical, fedmlp, fedpsl, partial_fedavg):
         bundle = reference_settings(preset)
+        extra = {"partial": row == "fedavg_pl"} if reference is partial_fedavg else {}
         ref = reference.run(data, rounds, set(eval_rounds), seed=split, log=log, scaling=bundle["scaling"],
-                            widen=bundle.get("widen", 1.0), **s)
+                            widen=bundle.get("widen", 1.0), **extra, **s)
     elif reference is fedmix:
         ref = fedmix.run(data, rounds, set(eval_rounds), seed=split, method=method, oracle=oracle, log=log, **s)
     else:
@@ -600,7 +621,7 @@ def _fedavg_section(label, scaling, cs, tolerance) -> list:
 
 
 def _settings_text(s: dict, row: str) -> str:
-    from reference import fedmix, fedmlp, fedpsl, semisup, surgical
+    from reference import fedmix, fedmlp, fedpsl, partial_fedavg, semisup, surgical
 
     if ROW_KIND.get(row) == "segmentation":
         used = ", ".join(f"{k} {v}" for k, v in s.items())
@@ -616,13 +637,14 @@ def _settings_text(s: dict, row: str) -> str:
                 + f". The project's row is given the settings as options (`project_options` in each cell). Not the "
                 f"paper's, and what runs instead: {left}.")
 
-    if row in ("fedmlp", "fedpsl"):
+    if row in ("fedmlp", "fedpsl", "fedavg", "fedavg_pl"):
         used = ", ".join(f"{k} {v}" for k, v in s.items())
-        ref = {"fedmlp": fedmlp, "fedpsl": fedpsl}[row]
+        ref = {"fedmlp": fedmlp, "fedpsl": fedpsl}.get(row, partial_fedavg)
+        name = ref.__name__.rsplit(".", 1)[-1]
         left = "; ".join(f"{k}: {v}" for k, v in ref.LEFT_OUT.items())
-        where = "the released code's" if row == "fedmlp" else "a stated choice (FedPSL has no released code)"
+        where = "a stated choice (FedPSL has no released code)" if row == "fedpsl" else "the released code's"
         changed = [k for k in s if k in ref.CHECK and s[k] != ref.CHECK[k]]
-        return (f"Both sides train with the reference's settings (`benchmarks/reference/{row}.py` `CHECK`, the "
+        return (f"Both sides train with the reference's settings (`benchmarks/reference/{name}.py` `CHECK`, the "
                 f"paper's values, or {where} where the paper prints none; their sources are its "
                 f"`PAPER`), with {', '.join(changed) or 'none'} changed by `--set`: {used}. The project's row is "
                 f"given them as options (`project_options` in each cell). Not the paper's, and what runs instead: "
@@ -789,11 +811,12 @@ def main(argv=None) -> None:
                     help="the project side augments each case in the loader (the chest X-ray bundles' RandAffined and "
                          "RandAdjustContrastd) instead of the preset's per-batch augmentation: what the batching saves")
     ap.add_argument("--rows", help="comma-separated project rows checked against the method references "
-                                   f"(benchmarks/reference/semisup.py, surgical.py, fedmlp.py, fedpsl.py, fedmix.py): "
+                                   f"(benchmarks/reference/semisup.py, surgical.py, fedmlp.py, partial_fedavg.py, fedpsl.py, "
+                                   "fedmix.py): "
                                    f"{', '.join(METHOD_ROWS)}; "
                                    f"each split runs the project with training seeds s and s + {SEED_OFFSET} and the "
                                    "reference once, with the reference's settings (semisup.CHECK, surgical.CHECK, "
-                                   "fedmlp.CHECK, fedpsl.CHECK, fedmix.CHECK)")
+                                   "fedmlp.CHECK, partial_fedavg.CHECK, fedpsl.CHECK, fedmix.CHECK)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="with --rows: a reference setting instead of its CHECK value (a JSON value, e.g. beta=3, "
                          "carry_optimizer=false); both sides train with it")
@@ -884,7 +907,8 @@ def main_methods(args) -> None:
         raise SystemExit(f"--rows {unknown}: the method references cover {sorted(METHOD_ROWS)}")
     wrong = [r for r in rows if ROW_KIND.get(r, "classification") != kind]
     if wrong:
-        raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl: a "
+        raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl, fedavg, "
+                         "fedavg_pl: a "
                          "multi-label preset; fedmix: a segmentation preset; the others: a classification preset)")
     settings = _settings(args.set, rows)
     out = Path(args.out)

@@ -279,6 +279,31 @@ def test_the_fedpsl_row_gets_the_references_settings_as_options_the_method_takes
     assert "fedpsl:first_order=true" in opts
 
 
+@pytest.mark.parametrize("row", ["fedavg", "fedavg_pl"])
+def test_the_fedavg_rows_get_the_references_settings_as_options_the_method_takes(row):
+    import reference_check as rc
+    from fedlabels.methods import get
+    from reference import partial_fedavg
+
+    assert rc.method_reference(row) is partial_fedavg
+    got = rc.project_settings("fedmlp_blood", row, dict(partial_fedavg.CHECK))
+    assert got["batch_size"] == 32 and got["local_epochs"] == 1 and got["config"] == {}
+    opts = {k.split(":", 1)[1]: json.loads(v) for k, v in (o.split("=", 1) for o in got["opts"])}
+    assert opts == {"optimizer": "adam", "lr": 3e-5, "weight_decay": 5e-4, "reset_optimizer": True,
+                    "pos_weighted": False, "weighted": True}  # Eq. 1: no positive weighting
+    method = get(row)
+    known = set(method.client_option_names()) | set(method.server_option_names())
+    assert set(opts) <= known, set(opts) - known  # an unknown name would stop the run
+    # the published rows' settings by --set, on both sides
+    changed = rc._settings(["lr=0.001", "batch_size=16", "weight_decay=0", "pos_weight=neg_over_pos"], [row])
+    got = rc.project_settings("fedmlp_blood", row, {**partial_fedavg.CHECK, **changed})
+    assert got["batch_size"] == 16 and f"{row}:pos_weighted=true" in got["opts"] and f"{row}:lr=0.001" in got["opts"]
+    with pytest.raises(ValueError, match="pos_weight"):  # the released code's N / N_pos: the project has no option
+        rc.project_settings("fedmlp_blood", row, {**partial_fedavg.CHECK, "pos_weight": "cases_over_pos"})
+    with pytest.raises(ValueError, match="multi-label preset"):
+        rc.project_settings("isofed", row, dict(partial_fedavg.CHECK))
+
+
 def test_one_class_everywhere_reads_every_run_of_both_sides():
     import reference_check as rc
 

@@ -1,4 +1,5 @@
-"""The independent method references (benchmarks/reference/semisup.py, surgical.py, fedmix.py) against
+"""The independent method references (benchmarks/reference/semisup.py, surgical.py, fedmix.py, fedmlp.py,
+fedpsl.py, partial_fedavg.py) against
 hand-computed numbers, and the project's server rules and sites against the references on the same inputs (same
 weights, same counts, one batch: the rules are deterministic there)."""
 
@@ -704,3 +705,97 @@ def test_project_fedpsl_federation_equals_the_reference_over_two_rounds():
     np.testing.assert_allclose(weights["fc.weight"][2], states[1]["fc.weight"][2].numpy(), atol=1e-6)
     by_size = (8 * states[0]["fc.weight"][0] + 6 * states[1]["fc.weight"][0]) / 14
     assert not np.allclose(weights["fc.weight"][0], by_size.numpy())
+
+
+def test_partial_fedavg_reference_rules_by_hand():
+    from reference import partial_fedavg as rf
+
+    y = torch.tensor([[1.0, -1.0], [0.0, -1.0], [0.0, -1.0], [0.0, 1.0]])
+    assert rf.class_weights(y, "none") is None
+    assert rf.class_weights(y, "neg_over_pos").tolist() == [3.0, 1.0]  # class 1: no annotated negative
+    with pytest.raises(ValueError, match="pos_weight"):
+        rf.class_weights(y, "cases_over_pos")
+    w = torch.tensor([3.0, 1.0])
+    # at logit 0 every entry costs log 2, a positive of class 0 three times that.
+    # FedAvg (Eq. 1): all 8 entries, the 3 missing ones as negatives: (3 + 3 + 3 + 1) log 2 / 8
+    assert float(rf.naive_loss(torch.zeros(4, 2), y, w)) == pytest.approx(10 * math.log(2) / 8)
+    # FedAvg-PL: the 5 annotated entries only: (3 + 3 + 1) log 2 / 5
+    assert float(rf.partial_loss(torch.zeros(4, 2), y, w)) == pytest.approx(7 * math.log(2) / 5)
+    # a missing entry scored positive costs FedAvg (as a negative) and nothing to FedAvg-PL
+    logits = torch.tensor([[0.0, 2.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    assert float(rf.naive_loss(logits, y)) - float(rf.naive_loss(torch.zeros(4, 2), y)) == \
+        pytest.approx((math.log1p(math.exp(2.0)) - math.log(2)) / 8)
+    assert float(rf.partial_loss(logits, y)) == pytest.approx(float(rf.partial_loss(torch.zeros(4, 2), y)))
+
+
+@pytest.mark.parametrize("row,pos_weight", [("fedavg", "none"), ("fedavg_pl", "none"), ("fedavg", "neg_over_pos"),
+                                            ("fedavg_pl", "neg_over_pos")])
+def test_project_partial_fedavg_federation_equals_the_reference_over_two_rounds(row, pos_weight):
+    """FedMLP's baselines, two sites of different sizes (site-1: 8 cases labeled for a and b; site-2: 6 cases
+    labeled for b and c), Adam fresh each round, one batch holding every case, no augmentation: the project's
+    clients and server against the reference's loss and FedAvg, after each site and each round."""
+    from fedlabels.methods import get
+    from fedlabels.methods.base import to_numpy
+    from fedlabels.profile import SiteProfile
+    from reference import fedmlp as rm
+    from reference import partial_fedavg as rf
+
+    s = {**rf.CHECK, "lr": 0.01, "epochs": 2, "pos_weight": pos_weight}
+    g = torch.Generator().manual_seed(5)
+    classes, spec, sizes = ("a", "b", "c"), {"site-1": ("a", "b"), "site-2": ("b", "c")}, {"site-1": 8, "site-2": 6}
+    method = get(row)
+    server = method.make_server()
+    data, clients = {}, {}
+    torch.manual_seed(0)
+    for site, mine in spec.items():
+        n = sizes[site]
+        y = (torch.rand(n, 3, generator=g) < 0.4).float()
+        y[0, [classes.index(c) for c in mine]] = 1.0  # every annotated class has a positive and a negative
+        y[1, [classes.index(c) for c in mine]] = 0.0
+        y[:, [c for c in range(3) if classes[c] not in mine]] = -1.0
+        x = torch.randn(n, 1, 5, 5, generator=g)
+        data[site] = (x, y)
+        ctx = site_context(SiteProfile(site, "multilabel", classes, mine, "image"), [{"image": x, "label": y}],
+                           labels=y.long().tolist())
+        clients[site] = method.make_client(_TinyResNet(), ctx, optimizer="adam", lr=s["lr"], epochs=s["epochs"],
+                                           weight_decay=s["weight_decay"], reset_optimizer=not s["carry_optimizer"],
+                                           pos_weighted=pos_weight == "neg_over_pos")
+    server.setup({site: c.ctx.summary for site, c in clients.items()})
+    weights = to_numpy(_TinyResNet().state_dict())
+    rglobal = _TinyResNet()
+    rglobal.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()})
+    rnet = _TinyResNet()
+    loss = rf.partial_loss if row == "fedavg_pl" else rf.naive_loss
+    for rnd in range(2):
+        updates = [clients[site].train(weights, rnd) for site in spec]
+        start = {k: v.clone() for k, v in rglobal.state_dict().items()}
+        states = []
+        for (site, (x, y)), u in zip(data.items(), updates):
+            rnet.load_state_dict(rglobal.state_dict())
+            opt = torch.optim.Adam(rnet.parameters(), lr=s["lr"], weight_decay=s["weight_decay"])
+            rnet.train()
+            for _ in range(s["epochs"]):
+                batch_loss = loss(rnet(x), y, rf.class_weights(y, pos_weight))
+                opt.zero_grad()
+                batch_loss.backward()
+                opt.step()
+            states.append({k: v.detach().clone() for k, v in rnet.state_dict().items()})
+            for k, v in states[-1].items():
+                np.testing.assert_allclose(u.weights[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"{rnd} {site} {k}")
+        weights = server.aggregate(updates, weights, rnd)
+        rglobal.load_state_dict(rm.fedavg(states, list(sizes.values())))
+        for k, v in rglobal.state_dict().items():
+            np.testing.assert_allclose(weights[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"global {rnd} {k}")
+    # the data tell the two rules apart at the tolerance above: the other row's loss moves site-2's last update
+    # elsewhere (Adam's steps are about lr whatever the gradient's size, so the gap is small but not float noise)
+    other = rf.naive_loss if row == "fedavg_pl" else rf.partial_loss
+    rnet.load_state_dict(start)
+    opt = torch.optim.Adam(rnet.parameters(), lr=s["lr"], weight_decay=s["weight_decay"])
+    x, y = data["site-2"]
+    for _ in range(s["epochs"]):
+        batch_loss = other(rnet(x), y, rf.class_weights(y, pos_weight))
+        opt.zero_grad()
+        batch_loss.backward()
+        opt.step()
+    gap = np.abs(updates[1].weights["fc.weight"] - rnet.state_dict()["fc.weight"].numpy()).max()
+    assert gap > 1e-5 * 5, gap
