@@ -18,34 +18,28 @@ published rows train with. The released code weights by N / N_pos (``loss_w``), 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.nn import functional as F
 
-# (value, source): the paper's, or the released code's where the paper prints none.
-PAPER = {
-    "lr": (3e-5, "paper Sec. 3.1.3 (all comparison methods): Adam with a learning rate of 3e-5"),
-    "batch_size": (32, "paper Sec. 3.1.3: a batch size of 32"),
-    "weight_decay": (5e-4, "released code utils/local_training.py train: Adam(weight_decay=5e-4) (the paper prints "
-                           "'L2 regularization on model parameters' and no value)"),
-    "carry_optimizer": (False, "released code utils/local_training.py train: a new Adam every round"),
-    "epochs": (1, "paper Sec. 3.1.3: one local training round before each communication round"),
-    "rounds": (500, "paper Sec. 3.1.3: 500 rounds"),
-    "pos_weight": ("none", "paper Eq. 1: BCE without class weights (the released code weights positives by "
-                           "N / N_pos)"),
-}
+from . import fedmlp
+
+# (value, source): FedMLP's settings are for "all comparison methods" (Sec. 3.1.3), so the shared ones are its
+# reference's; the released code trains the baselines in ``train``, not ``train_FedMLP``.
+PAPER = {**{key: fedmlp.PAPER[key] for key in ("lr", "batch_size", "epochs", "rounds")},
+         "weight_decay": (5e-4, "released code utils/local_training.py train: Adam(weight_decay=5e-4) (the paper "
+                                "prints 'L2 regularization on model parameters' and no value)"),
+         "carry_optimizer": (False, "released code utils/local_training.py train: a new Adam every round"),
+         "pos_weight": ("none", "paper Eq. 1: BCE without class weights (the released code weights positives by "
+                                "N / N_pos)")}
 # What both sides train with in benchmarks/reference_check.py --rows fedavg,fedavg_pl: the paper's values; the
 # network, the input and the augmentation are the check's preset's.
 CHECK = {key: value for key, (value, _) in PAPER.items() if key != "rounds"}
-LEFT_OUT = {
-    "network": "the preset's ResNet-18 (width 0.25) from scratch at 32 px, not an ImageNet ResNet-18 at 224 px",
-    "input": "the preset's 0-255 to [-1, 1] scaling and its weak augmentation (an affine and a contrast change), "
-             "not the released code's ImageNet normalisation and transforms at 224 px",
-    "rounds": "the check's budget",
-}
+LEFT_OUT = {**fedmlp.LEFT_OUT,
+            "input": "the preset's 0-255 to [-1, 1] scaling and its weak augmentation (an affine and a contrast "
+                     "change), not the released code's ImageNet normalisation and transforms at 224 px"}
+del LEFT_OUT["views"]  # the baselines train on one view
 POS_WEIGHTS = ("none", "neg_over_pos")
 
 
@@ -76,40 +70,22 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, partial: bool = True, lr:
         batch_size: int = 32, weight_decay: float = 5e-4, carry_optimizer: bool = False, epochs: int = 1,
         pos_weight: str = "none", widen: float = 0.25, scaling: str = "fixed", log=print) -> dict:
     """FedAvg (``partial=False``) or FedAvg-PL (``partial=True``) over a prepared partial-label scenario (label
-    -1: not annotated). Test metric: the mean one-vs-rest AUROC of the global model on the pooled test split."""
-    from .fedavg_multilabel import ResNet18, augment, batcher, load_scenario, macro_auroc
-    from .fedmlp import fedavg
+    -1: not annotated), in the shared FedAvg rounds of ``fedavg.run``. Test metric: the mean one-vs-rest AUROC
+    of the global model on the pooled test split."""
+    from . import fedavg
+    from .fedavg_multilabel import ResNet18, augment, load_scenario, macro_auroc
 
+    if carry_optimizer:
+        raise ValueError("carry_optimizer: the baselines make a new Adam every round (the released code's train)")
     classes, sites, test = load_scenario(Path(data), scaling)
     weights = [class_weights(y, pos_weight) for _, y in sites]
-    loss = partial_loss if partial else naive_loss
-    sizes = [len(y) for _, y in sites]
+    loss_fn = partial_loss if partial else naive_loss
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    batches = batcher(gen, batch_size)
-    global_net = ResNet18(1, len(classes), widen)
-    nets = [ResNet18(1, len(classes), widen) for _ in sites]
-    opts = [None] * len(sites)
-    name = "fedavg_pl" if partial else "fedavg"
-    out, seconds = {}, []
-    for rnd in range(1, rounds + 1):
-        t0 = time.perf_counter()
-        states = []
-        for k, ((x, y), net) in enumerate(zip(sites, nets)):
-            net.load_state_dict(global_net.state_dict())
-            if opts[k] is None or not carry_optimizer:
-                opts[k] = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=weight_decay)
-            net.train()
-            for _ in range(epochs):
-                for idx in batches(len(y)):
-                    batch_loss = loss(net(augment(x[idx], gen)), y[idx], weights[k])
-                    opts[k].zero_grad()
-                    batch_loss.backward()
-                    opts[k].step()
-            states.append({key: v.detach().clone() for key, v in net.state_dict().items()})
-        global_net.load_state_dict(fedavg(states, sizes))
-        seconds.append(time.perf_counter() - t0)
-        if rnd in eval_rounds:
-            out[rnd] = {"auroc": macro_auroc(global_net, *test)}
-            log(f"[reference] {name} seed {seed} round {rnd}: {out[rnd]}")
-    return {"metrics": out, "seconds_per_round": float(np.mean(seconds)), "seconds": seconds}
+
+    def loss(net, x, y, k):
+        return loss_fn(net(augment(x, gen)), y, weights[k])
+
+    return fedavg.run(lambda: ResNet18(1, len(classes), widen), sites, loss,
+                      lambda net: {"auroc": macro_auroc(net, *test)}, rounds, eval_rounds, gen, lr, batch_size,
+                      epochs, weight_decay, log=log, tag=f"{'fedavg_pl' if partial else 'fedavg'} seed {seed} ")

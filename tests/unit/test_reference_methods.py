@@ -648,20 +648,17 @@ def test_fedpsl_reference_rules_by_hand():
     assert out["fc.weight"].flatten().tolist() == [1.0, 1.5, 2.0] and out["fc.bias"].tolist() == [1.0, 0.75, 2.0]
 
 
-def test_project_fedpsl_federation_equals_the_reference_over_two_rounds():
-    """FedPSL, two sites of different sizes (site-1: 8 cases labeled for a and b; site-2: 6 cases labeled for b
-    and c), Adam fresh each round: TADL on each site's one batch (halves of 4 and 3 cases, batch norm in training
-    mode, the meta-gradient through theta'), then TDMA. The project's clients and server against the
-    reference's steps and rule, weights compared after each site and each round."""
+def _two_site_federation(name, seed, edit=None, **options):
+    """The project's ``name`` over two sites of different sizes (site-1: 8 cases annotating a and b; site-2: 6
+    cases annotating b and c), labels and images drawn from ``seed``, one batch holding every case, no
+    augmentation; ``edit(site, y, annotated)`` changes a site's labels. Returns the sites' (x, y), the clients
+    (``options`` are theirs), the server (set up) and the sizes."""
     from fedlabels.methods import get
-    from fedlabels.methods.base import to_numpy
     from fedlabels.profile import SiteProfile
-    from reference import fedpsl as rp
 
-    s = {**rp.CHECK, "lr": 0.01, "epochs": 2}
-    g = torch.Generator().manual_seed(4)
+    g = torch.Generator().manual_seed(seed)
     classes, spec, sizes = ("a", "b", "c"), {"site-1": ("a", "b"), "site-2": ("b", "c")}, {"site-1": 8, "site-2": 6}
-    method = get("fedpsl")
+    method = get(name)
     server = method.make_server()
     data, clients = {}, {}
     torch.manual_seed(0)
@@ -669,15 +666,35 @@ def test_project_fedpsl_federation_equals_the_reference_over_two_rounds():
         n = sizes[site]
         y = (torch.rand(n, 3, generator=g) < 0.4).float()
         y[:, [c for c in range(3) if classes[c] not in mine]] = -1.0
-        if site == "site-2":
-            y[:2, 1] = -1.0  # two cases without a label for b: n_k^c 4 of 6 cases
+        if edit:
+            edit(site, y, [classes.index(c) for c in mine])
         x = torch.randn(n, 1, 5, 5, generator=g)
         data[site] = (x, y)
         ctx = site_context(SiteProfile(site, "multilabel", classes, mine, "image"), [{"image": x, "label": y}],
                            labels=y.long().tolist())
-        clients[site] = method.make_client(_TinyResNet(), ctx, optimizer="adam", lr=s["lr"], epochs=s["epochs"],
-                                           reset_optimizer=not s["carry_optimizer"], first_order=not s["second_order"])
+        clients[site] = method.make_client(_TinyResNet(), ctx, **options)
     server.setup({site: c.ctx.summary for site, c in clients.items()})
+    return data, clients, server, sizes
+
+
+def test_project_fedpsl_federation_equals_the_reference_over_two_rounds():
+    """FedPSL, two sites of different sizes (site-1: 8 cases labeled for a and b; site-2: 6 cases labeled for b
+    and c), Adam fresh each round: TADL on each site's one batch (halves of 4 and 3 cases, batch norm in training
+    mode, the meta-gradient through theta'), then TDMA. The project's clients and server against the
+    reference's steps and rule, weights compared after each site and each round."""
+    from fedlabels.methods.base import to_numpy
+    from reference import fedpsl as rp
+
+    s = {**rp.CHECK, "lr": 0.01, "epochs": 2}
+
+    def edit(site, y, annotated):
+        if site == "site-2":
+            y[:2, 1] = -1.0  # two cases without a label for b: n_k^c 4 of 6 cases
+
+    data, clients, server, sizes = _two_site_federation(
+        "fedpsl", 4, edit, optimizer="adam", lr=s["lr"], epochs=s["epochs"],
+        reset_optimizer=not s["carry_optimizer"], first_order=not s["second_order"])
+    spec = list(clients)
     weights = to_numpy(_TinyResNet().state_dict())
     rglobal = _TinyResNet()
     rglobal.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()})
@@ -734,33 +751,19 @@ def test_project_partial_fedavg_federation_equals_the_reference_over_two_rounds(
     """FedMLP's baselines, two sites of different sizes (site-1: 8 cases labeled for a and b; site-2: 6 cases
     labeled for b and c), Adam fresh each round, one batch holding every case, no augmentation: the project's
     clients and server against the reference's loss and FedAvg, after each site and each round."""
-    from fedlabels.methods import get
     from fedlabels.methods.base import to_numpy
-    from fedlabels.profile import SiteProfile
     from reference import fedmlp as rm
     from reference import partial_fedavg as rf
 
     s = {**rf.CHECK, "lr": 0.01, "epochs": 2, "pos_weight": pos_weight}
-    g = torch.Generator().manual_seed(5)
-    classes, spec, sizes = ("a", "b", "c"), {"site-1": ("a", "b"), "site-2": ("b", "c")}, {"site-1": 8, "site-2": 6}
-    method = get(row)
-    server = method.make_server()
-    data, clients = {}, {}
-    torch.manual_seed(0)
-    for site, mine in spec.items():
-        n = sizes[site]
-        y = (torch.rand(n, 3, generator=g) < 0.4).float()
-        y[0, [classes.index(c) for c in mine]] = 1.0  # every annotated class has a positive and a negative
-        y[1, [classes.index(c) for c in mine]] = 0.0
-        y[:, [c for c in range(3) if classes[c] not in mine]] = -1.0
-        x = torch.randn(n, 1, 5, 5, generator=g)
-        data[site] = (x, y)
-        ctx = site_context(SiteProfile(site, "multilabel", classes, mine, "image"), [{"image": x, "label": y}],
-                           labels=y.long().tolist())
-        clients[site] = method.make_client(_TinyResNet(), ctx, optimizer="adam", lr=s["lr"], epochs=s["epochs"],
-                                           weight_decay=s["weight_decay"], reset_optimizer=not s["carry_optimizer"],
-                                           pos_weighted=pos_weight == "neg_over_pos")
-    server.setup({site: c.ctx.summary for site, c in clients.items()})
+
+    def edit(site, y, annotated):  # every annotated class has a positive and a negative
+        y[0, annotated], y[1, annotated] = 1.0, 0.0
+
+    data, clients, server, sizes = _two_site_federation(
+        row, 5, edit, optimizer="adam", lr=s["lr"], epochs=s["epochs"], weight_decay=s["weight_decay"],
+        reset_optimizer=not s["carry_optimizer"], pos_weighted=pos_weight == "neg_over_pos")
+    spec = list(clients)
     weights = to_numpy(_TinyResNet().state_dict())
     rglobal = _TinyResNet()
     rglobal.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()})
