@@ -368,9 +368,12 @@ def surgical_settings(preset: str, s: dict) -> dict:
     """The project's ``surgical`` row with the reference's settings ``s`` (surgical.CHECK: the paper's)."""
     if REFERENCES[preset][0] != "multilabel":
         raise ValueError(f"surgical: a multi-label preset, not {preset!r}")
+    if s["pos_weight"] not in ("none", "neg_over_pos"):
+        raise ValueError(f"pos_weight {s['pos_weight']!r}: the project weighs positives by N_neg / N_pos "
+                         "('neg_over_pos') or not at all ('none', the paper's plain BCE)")
     client = {"optimizer": s["optimizer"], "lr": s["lr"], "weight_decay": 0.0, "reset_optimizer": not s["carry_optimizer"],
               "warmup_epochs": s["warmup_epochs"], "warmup_lr": s["warmup_lr"],
-              "pos_weighted": False}  # the paper's plain BCE
+              "pos_weighted": s["pos_weight"] == "neg_over_pos"}
     server = {"weighted": False}  # Eq. 1 as printed (1/K sum_k), the released code's unweighted mean
     opts = [f"surgical:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
@@ -449,14 +452,17 @@ def method_reference(row: str):
 
 
 def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
-                    log=print, settings: dict | None = None, image_size: int | None = None) -> dict:
+                    log=print, settings: dict | None = None, image_size: int | None = None,
+                    config: dict | None = None) -> dict:
     """One split, one row: the project twice (training seeds ``split`` and ``split + SEED_OFFSET``) and the
-    method reference once (seed ``split``), one after the other in this process."""
+    method reference once (seed ``split``), one after the other in this process. ``config``: bundle overrides
+    of the project side beyond the row's (``--per-case-augmentation``)."""
     from reference import fedmix, fedmlp, fedpsl, partial_fedavg, semisup, surgical
 
     reference = method_reference(row)
     s = {**reference.CHECK, **(settings or {})}
     proj = project_settings(preset, row, s)
+    proj["config"] = {**proj["config"], **(config or {})}
     runs = []
     for seed in (split, split + SEED_OFFSET):
         run = project_cell(preset, data, seed, rounds, eval_rounds, work / f"seed{seed}", config=proj["config"],
@@ -658,8 +664,8 @@ def _settings_text(s: dict, row: str) -> str:
         left = "; ".join(f"{k}: {v}" for k, v in surgical.LEFT_OUT.items())
         return (f"Both sides train with the reference's settings (`benchmarks/reference/surgical.py` `CHECK`, the "
                 f"paper's values, or the released code's where the paper prints none; their sources are its "
-                f"`PAPER`): {used}, the paper's plain BCE over each site's own classes (no positive weighting) and "
-                f"the unweighted feature mean. The project's row is given them as options (`project_options` in each "
+                f"`PAPER`), with {', '.join(k for k in s if s[k] != surgical.CHECK.get(k)) or 'none'} changed by "
+                f"`--set`: {used}; the BCE over each site's own classes and the unweighted feature mean. The project's row is given them as options (`project_options` in each "
                 f"cell). Not the paper's, and what runs instead: {left}.")
 
     used = ", ".join(f"{k} {s[k]}" for k in ("optimizer", "lr", "momentum", "weight_decay", "batch_size", "epochs",
@@ -812,7 +818,8 @@ def main(argv=None) -> None:
                                                   "reads the prepared files at their size: prepare with --size)")
     ap.add_argument("--per-case-augmentation", action="store_true",
                     help="the project side augments each case in the loader (the chest X-ray bundles' RandAffined and "
-                         "RandAdjustContrastd) instead of the preset's per-batch augmentation: what the batching saves")
+                         "RandAdjustContrastd) instead of the preset's per-batch augmentation, as the bundle without a preset does "
+                         "(e.g. the rows of bench_cxr); without --rows: what the batching saves")
     ap.add_argument("--rows", help="comma-separated project rows checked against the method references "
                                    f"(benchmarks/reference/semisup.py, surgical.py, fedmlp.py, partial_fedavg.py, fedpsl.py, "
                                    "fedmix.py): "
@@ -832,15 +839,15 @@ def main(argv=None) -> None:
         out = Path(args.out)
         _write_atomic(out.parent / "reference_check.md", table(out))
         return
-    if args.rows:
-        return main_methods(args)
-    if args.set:
-        ap.error("--set: a method reference's setting; give it with --rows")
     config = None
     if args.per_case_augmentation:
         if REFERENCES[args.preset][0] != "multilabel":
             ap.error("--per-case-augmentation: only the chest X-ray bundles augment per batch")
         config = {"train#random_transforms": CXR_AUGMENT, "train#batch_transforms": []}
+    if args.rows:
+        return main_methods(args, config)
+    if args.set:
+        ap.error("--set: a method reference's setting; give it with --rows")
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     seeds, eval_rounds = _splits(args)
@@ -901,8 +908,9 @@ def _settings(items: list, rows: list) -> dict:
     return out
 
 
-def main_methods(args) -> None:
-    """``--rows``: one cell per (row, split), resumable, one after the other."""
+def main_methods(args, config: dict | None = None) -> None:
+    """``--rows``: one cell per (row, split), resumable, one after the other (``config``: the project side's
+    bundle overrides, e.g. per-case augmentation)."""
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     kind = REFERENCES[args.preset][0]
     unknown = [r for r in rows if r not in METHOD_ROWS]
@@ -928,8 +936,9 @@ def main_methods(args) -> None:
             result = compare_methods(args.preset, row, Path(args.data.replace("{seed}", str(seed))), seed,
                                      args.rounds, eval_rounds, out / "work" / f"{args.label}-{row.replace(':', '_')}",
                                      log=lambda m: print(m, flush=True), image_size=args.image_size,
-                                     settings=settings)
+                                     settings=settings, config=config)
             result["label"] = args.label
+            result["project_config"] = config  # settings the project side changed from the preset (None: none)
             result["load"] = (load_before, os.getloadavg()[0])
             _write_atomic(cell, json.dumps(result, indent=1, default=_json_default))
             print(f"[check] {cell.name}: {time.time() - t0:.0f}s", flush=True)

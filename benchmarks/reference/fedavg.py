@@ -1,6 +1,7 @@
 """The FedAvg rounds every reference loop shares, in plain PyTorch.
 
-Each round every site starts from the global model with a fresh Adam, makes
+Each round every site starts from the global model with a fresh Adam (or, with
+``carry_optimizer``, the Adam it trained with last round, its moments kept), makes
 ``epochs`` passes over its cases in shuffled batches of ``batch_size``
 (``loss(net, x, y, site_index)`` gives the batch loss, augmentation included),
 and the server averages every tensor of the site models by the sites' case
@@ -16,19 +17,25 @@ import torch
 
 
 def run(make_net, sites, loss, evaluate, rounds: int, eval_rounds, gen: torch.Generator, lr: float,
-        batch_size: int, epochs: int = 1, weight_decay: float = 0.0, log=print, tag: str = "") -> dict:
+        batch_size: int, epochs: int = 1, weight_decay: float = 0.0, log=print, tag: str = "",
+        carry_optimizer: bool = False) -> dict:
     """``sites``: [(images, targets)]; returns the metric per eval round and the seconds of every round."""
     global_net = make_net()
     share = torch.tensor([len(y) for _, y in sites], dtype=torch.float64)
     share = share / share.sum()
+    # a carried Adam keeps its site's network (its moments are keyed by that network's parameters, which
+    # load_state_dict overwrites in place each round)
+    kept = [None] * len(sites)
     out, seconds = {}, []
     for rnd in range(1, rounds + 1):
         t0 = time.perf_counter()
         states = []
         for k, (x, y) in enumerate(sites):
-            net = make_net()
+            if kept[k] is None or not carry_optimizer:
+                net = make_net()
+                kept[k] = (net, torch.optim.Adam(net.parameters(), lr=lr, weight_decay=weight_decay))
+            net, opt = kept[k]
             net.load_state_dict(global_net.state_dict())
-            opt = torch.optim.Adam(net.parameters(), lr=lr, weight_decay=weight_decay)
             net.train()
             for _ in range(epochs):
                 order = torch.randperm(len(y), generator=gen)

@@ -75,8 +75,6 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, partial: bool = True, lr:
     from . import fedavg
     from .fedavg_multilabel import ResNet18, augment, load_scenario, macro_auroc
 
-    if carry_optimizer:
-        raise ValueError("carry_optimizer: the baselines make a new Adam every round (the released code's train)")
     classes, sites, test = load_scenario(Path(data), scaling)
     weights = [class_weights(y, pos_weight) for _, y in sites]
     loss_fn = partial_loss if partial else naive_loss
@@ -88,4 +86,5 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, partial: bool = True, lr:
 
     return fedavg.run(lambda: ResNet18(1, len(classes), widen), sites, loss,
                       lambda net: {"auroc": macro_auroc(net, *test)}, rounds, eval_rounds, gen, lr, batch_size,
-                      epochs, weight_decay, log=log, tag=f"{'fedavg_pl' if partial else 'fedavg'} seed {seed} ")
+                      epochs, weight_decay, log=log, tag=f"{'fedavg_pl' if partial else 'fedavg'} seed {seed} ",
+                      carry_optimizer=carry_optimizer)

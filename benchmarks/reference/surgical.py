@@ -62,14 +62,16 @@ PAPER = {
     "optimizer": ("adam", "released code src/federated.py: keras.optimizers.Adam (the paper names none)"),
     "carry_optimizer": (True, "released code src/federated.py: each client's model is compiled with its Adam once "
                               "and keeps it from round to round"),
-    "loss": ("bce", "paper Sec. 2.5: binary cross-entropy, each site on its own classes (no positive weighting)"),
+    "pos_weight": ("none", "paper Sec. 2.5: binary cross-entropy, each site on its own classes (no positive "
+                           "weighting); 'neg_over_pos' weighs a site's positives of class c by its N_neg / N_pos, the "
+                           "project's default"),
     "feature_rule": ("mean", "paper Eq. 1: w^(F) = 1/K sum_k w_k^(F) (FedAvg as printed); released code: "
                              "unweighted mean"),
 }
 # What both sides train with in benchmarks/reference_check.py --rows surgical: the paper's values; the network,
 # input and augmentation are the check's preset's (the paper's ImageNet DenseNet121 at 224 px cannot be
 # downloaded or trained here).
-CHECK = {key: value for key, (value, _) in PAPER.items() if key not in ("rounds", "loss", "feature_rule")}
+CHECK = {key: value for key, (value, _) in PAPER.items() if key not in ("rounds", "feature_rule")}
 LEFT_OUT = {
     "network": "the preset's ResNet-18 (width 0.25) from scratch at 32 px, not an ImageNet DenseNet121 at 224 px",
     "warmup_selection": "the released code keeps the warm-up head of the best validation loss; both sides keep "
@@ -78,12 +80,13 @@ LEFT_OUT = {
 }
 
 
-def partial_bce(logits, y):
-    """BCE over the annotated entries (label >= 0), averaged over them (the paper: each site on its own classes)."""
+def partial_bce(logits, y, weight=None):
+    """BCE over the annotated entries (label >= 0), averaged over them (the paper: each site on its own classes);
+    ``weight``: per-class positive weights (None: the paper's plain BCE)."""
     from torch.nn import functional as F
 
     mask = (y >= 0).float()
-    loss = F.binary_cross_entropy_with_logits(logits, y.clamp(min=0), reduction="none") * mask
+    loss = F.binary_cross_entropy_with_logits(logits, y.clamp(min=0), pos_weight=weight, reduction="none") * mask
     return loss.sum() / mask.sum().clamp(min=1)
 
 
@@ -94,7 +97,7 @@ def features(net, x):
     return F.adaptive_avg_pool2d(net.layers(net.stem(x)), 1).flatten(1)
 
 
-def warm_up(net, x, y, batches, epochs: int, lr: float, augment) -> None:
+def warm_up(net, x, y, batches, epochs: int, lr: float, augment, weight=None) -> None:
     """The head G alone, a fresh Adam, on features of F frozen and in inference mode (Sec. 2.5)."""
     net.eval()
     opt = torch.optim.Adam(net.fc.parameters(), lr=lr)
@@ -102,17 +105,17 @@ def warm_up(net, x, y, batches, epochs: int, lr: float, augment) -> None:
         for idx in batches(len(y)):
             with torch.no_grad():
                 f = features(net, augment(x[idx]))
-            loss = partial_bce(net.fc(f), y[idx])
+            loss = partial_bce(net.fc(f), y[idx], weight)
             opt.zero_grad()
             loss.backward()
             opt.step()
 
 
-def train_local(net, opt, x, y, batches, epochs: int, augment) -> None:
+def train_local(net, opt, x, y, batches, epochs: int, augment, weight=None) -> None:
     net.train()
     for _ in range(epochs):
         for idx in batches(len(y)):
-            loss = partial_bce(net(augment(x[idx])), y[idx])
+            loss = partial_bce(net(augment(x[idx])), y[idx], weight)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -120,20 +123,23 @@ def train_local(net, opt, x, y, batches, epochs: int, augment) -> None:
 
 def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 5e-5, batch_size: int = 64, epochs: int = 1,
         warmup_epochs: int = 15, warmup_lr: float = 5e-3, optimizer: str = "adam", carry_optimizer: bool = True,
-        widen: float = 0.25, scaling: str = "fixed", log=print) -> dict:
+        pos_weight: str = "none", widen: float = 0.25, scaling: str = "fixed", log=print) -> dict:
     """Surgical Aggregation over a prepared partial-label scenario: each site trains the BCE of the classes it
     annotates (label -1: not annotated) from the global model; at the first round a site trains, its head
     is first trained alone (``warm_up``) with the feature extractor frozen and in inference mode; the server
     averages the features unweighted (Eq. 1) and each head row over the sites annotating its class
-    (``aggregate``: Eq. 2-3). Augmentation: the bundle's affine and contrast change. Test metric: the mean
+    (``aggregate``: Eq. 2-3). Augmentation: the bundle's affine and contrast change. ``pos_weight``: the BCE's
+    positive weighting (``partial_fedavg.class_weights``; the paper's is "none"). Test metric: the mean
     one-vs-rest AUROC."""
     from .fedavg_multilabel import ResNet18, augment, batcher, load_scenario, macro_auroc
+    from .partial_fedavg import class_weights
 
     if optimizer != "adam":
         raise ValueError(f"optimizer {optimizer!r}: the reference runs the released code's Adam")
     classes, sites, test = load_scenario(Path(data), scaling)
     n_classes = len(classes)
     masks = [(y >= 0).any(0).numpy() for _, y in sites]  # the classes each site annotates
+    weights = [class_weights(y, pos_weight) for _, y in sites]
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     batches = batcher(gen, batch_size)
@@ -152,10 +158,10 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 5e-5, batch_s
             net = nets[k]
             net.load_state_dict(global_net.state_dict())
             if rnd == 1 and warmup_epochs > 0:
-                warm_up(net, x, y, batches, warmup_epochs, warmup_lr, aug)
+                warm_up(net, x, y, batches, warmup_epochs, warmup_lr, aug, weights[k])
             if opts[k] is None or not carry_optimizer:
                 opts[k] = torch.optim.Adam(net.parameters(), lr=lr)
-            train_local(net, opts[k], x, y, batches, epochs, aug)
+            train_local(net, opts[k], x, y, batches, epochs, aug, weights[k])
             states.append({key: v.detach().numpy().copy() for key, v in net.state_dict().items()})
         g = aggregate(states, masks, {key: v.numpy() for key, v in global_net.state_dict().items()}, "fc")
         global_net.load_state_dict({key: torch.from_numpy(np.asarray(v)) for key, v in g.items()})

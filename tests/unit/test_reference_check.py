@@ -304,6 +304,28 @@ def test_the_fedavg_rows_get_the_references_settings_as_options_the_method_takes
         rc.project_settings("isofed", row, dict(partial_fedavg.CHECK))
 
 
+def test_the_surgical_row_gets_the_references_settings_as_options_the_method_takes():
+    import reference_check as rc
+    from fedlabels.methods import get
+    from reference import surgical
+
+    got = rc.project_settings("cxr", "surgical", dict(surgical.CHECK))
+    opts = {k.split(":", 1)[1]: json.loads(v) for k, v in (o.split("=", 1) for o in got["opts"])}
+    assert got["batch_size"] == 64 and got["local_epochs"] == 1 and got["config"] == {}
+    assert opts == {"optimizer": "adam", "lr": 5e-5, "weight_decay": 0.0, "reset_optimizer": False,
+                    "warmup_epochs": 15, "warmup_lr": 5e-3, "pos_weighted": False,  # the paper's plain BCE
+                    "weighted": False}  # Eq. 1 as printed
+    method = get("surgical")
+    assert set(opts) <= set(method.client_option_names()) | set(method.server_option_names())
+    # bench_cxr's published row by --set, on both sides: the project's weighting, no warm-up, lr 1e-3, batch 16
+    changed = rc._settings(["pos_weight=neg_over_pos", "warmup_epochs=0", "lr=0.001", "batch_size=16"], ["surgical"])
+    got = rc.project_settings("cxr", "surgical", {**surgical.CHECK, **changed})
+    assert {"surgical:pos_weighted=true", "surgical:warmup_epochs=0", "surgical:lr=0.001"} <= set(got["opts"])
+    assert got["batch_size"] == 16
+    with pytest.raises(ValueError, match="pos_weight"):
+        rc.project_settings("cxr", "surgical", {**surgical.CHECK, "pos_weight": "cases_over_pos"})
+
+
 def test_one_class_everywhere_reads_every_run_of_both_sides():
     import reference_check as rc
 

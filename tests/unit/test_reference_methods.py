@@ -292,26 +292,32 @@ class _TinyResNet(torch.nn.Module):
         return self.fc(self.extract(x))
 
 
-def test_project_surgical_client_equals_the_reference_over_two_rounds():
+@pytest.mark.parametrize("pos_weight", ["none", "neg_over_pos"])
+def test_project_surgical_client_equals_the_reference_over_two_rounds(pos_weight):
     """Surgical's site, two rounds with Adam carried: the head warm-up on frozen features in round 0 only, then
-    the partial BCE (no positive weighting) on every entry the site annotates. One batch holding every case and
-    no augmentation, so the reference's shuffling cannot change the batch's means."""
+    the partial BCE (the paper's unweighted, or positives weighted by N_neg / N_pos) on every entry the site
+    annotates. One batch holding every case and no augmentation, so the reference's shuffling cannot change the
+    batch's means."""
     from fedlabels.methods.base import to_numpy
     from fedlabels.methods.surgical import SurgicalClient
     from fedlabels.profile import SiteProfile
+    from reference import partial_fedavg as rf
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(6, 1, 5, 5, generator=g)
     # class a: 4 positives of 6, class b: 2 (a positive weighting would weigh them 0.5 and 2), class c: not annotated
     y = torch.tensor([[1, 0, -1], [0, 1, -1], [1, 1, -1], [0, 0, -1], [1, 0, -1], [1, 0, -1]], dtype=torch.float32)
-    s = {**ref_surgical.CHECK, "lr": 0.01, "warmup_epochs": 2, "warmup_lr": 0.05}
+    s = {**ref_surgical.CHECK, "lr": 0.01, "warmup_epochs": 2, "warmup_lr": 0.05, "pos_weight": pos_weight}
     profile = SiteProfile("site-1", "multilabel", ("a", "b", "c"), ("a", "b"), "image")
     ctx = site_context(profile, [{"image": x, "label": y}], labels=y.long().tolist())
     torch.manual_seed(0)
     net = _TinyResNet()
     start = to_numpy(net.state_dict())
     client = SurgicalClient(net, ctx, warmup_epochs=s["warmup_epochs"], warmup_lr=s["warmup_lr"], lr=s["lr"],
-                            optimizer=s["optimizer"], reset_optimizer=not s["carry_optimizer"], pos_weighted=False)
+                            optimizer=s["optimizer"], reset_optimizer=not s["carry_optimizer"],
+                            pos_weighted=s["pos_weight"] == "neg_over_pos")
+    weight = rf.class_weights(y, s["pos_weight"])
+    assert weight is None or weight.tolist() == [0.5, 2.0, 1.0]
     rnet = _TinyResNet()
     ropt = torch.optim.Adam(rnet.parameters(), lr=s["lr"])
     gen = torch.Generator().manual_seed(0)
@@ -324,8 +330,8 @@ def test_project_surgical_client_equals_the_reference_over_two_rounds():
         sent = client.train(weights, rnd).weights
         rnet.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()})
         if rnd == 0:
-            ref_surgical.warm_up(rnet, x, y, one_batch, s["warmup_epochs"], s["warmup_lr"], lambda v: v)
-        ref_surgical.train_local(rnet, ropt, x, y, one_batch, s["epochs"], lambda v: v)
+            ref_surgical.warm_up(rnet, x, y, one_batch, s["warmup_epochs"], s["warmup_lr"], lambda v: v, weight)
+        ref_surgical.train_local(rnet, ropt, x, y, one_batch, s["epochs"], lambda v: v, weight)
         for k, v in rnet.state_dict().items():
             np.testing.assert_allclose(sent[k], v.detach().numpy(), rtol=0, atol=1e-5, err_msg=f"round {rnd} {k}")
         weights = {k: np.asarray(v) + 0.01 * (np.asarray(v).dtype.kind == "f") for k, v in sent.items()}
@@ -802,3 +808,46 @@ def test_project_partial_fedavg_federation_equals_the_reference_over_two_rounds(
         opt.step()
     gap = np.abs(updates[1].weights["fc.weight"] - rnet.state_dict()["fc.weight"].numpy()).max()
     assert gap > 1e-5 * 5, gap
+
+
+@pytest.mark.parametrize("carry", [False, True])
+def test_shared_fedavg_rounds_equal_the_project_federation_with_adam_fresh_or_carried(carry):
+    """``benchmarks/reference/fedavg.run`` (every multi-label reference's rounds) against the project's
+    ``fedavg_pl`` sites and server: two sites of 8 and 6 cases, three rounds of two local epochs, one batch holding
+    every case, Adam fresh each round or carried (``reset_optimizer`` False, its moments kept): the global model
+    after each round equal. The other Adam rule gives a different model at the same tolerance."""
+    from fedlabels.methods.base import to_numpy
+    from reference import fedavg as rfa
+    from reference import partial_fedavg as rf
+
+    def edit(site, y, annotated):  # every annotated class has a positive and a negative
+        y[0, annotated], y[1, annotated] = 1.0, 0.0
+
+    data, clients, server, _ = _two_site_federation("fedavg_pl", 6, edit, optimizer="adam", lr=0.01, epochs=2,
+                                                    reset_optimizer=not carry, pos_weighted=False)
+    start = to_numpy(_TinyResNet().state_dict())
+    weights, project = start, []
+    for rnd in range(3):
+        updates = [c.train(weights, rnd) for c in clients.values()]
+        weights = server.aggregate(updates, weights, rnd)
+        project.append(weights)
+
+    def reference(carry_optimizer):
+        def make_net():
+            net = _TinyResNet()
+            net.load_state_dict({k: torch.as_tensor(v) for k, v in start.items()})
+            return net
+
+        seen = []
+        rfa.run(make_net, list(data.values()), lambda net, x, y, k: rf.partial_loss(net(x), y),
+                lambda net: seen.append({k: v.clone() for k, v in net.state_dict().items()}) or {}, 3, {1, 2, 3},
+                torch.Generator().manual_seed(0), 0.01, batch_size=8, epochs=2, carry_optimizer=carry_optimizer,
+                log=lambda m: None)
+        return seen
+
+    for rnd, (want, got) in enumerate(zip(project, reference(carry))):
+        for k, v in got.items():
+            np.testing.assert_allclose(want[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"round {rnd} {k}")
+    other = reference(not carry)[-1]
+    assert max(float(np.abs(project[-1][k] - other[k].numpy()).max()) for k in other) > 1e-3
+
