@@ -453,10 +453,11 @@ def method_reference(row: str):
 
 def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
                     log=print, settings: dict | None = None, image_size: int | None = None,
-                    config: dict | None = None) -> dict:
+                    config: dict | None = None, widen: float | None = None) -> dict:
     """One split, one row: the project twice (training seeds ``split`` and ``split + SEED_OFFSET``) and the
     method reference once (seed ``split``), one after the other in this process. ``config``: bundle overrides
-    of the project side beyond the row's (``--per-case-augmentation``)."""
+    of the project side beyond the row's (``--per-case-augmentation``); ``widen``: the multi-label ResNet-18's
+    width on both sides instead of the preset's."""
     from reference import fedmix, fedmlp, fedpsl, partial_fedavg, semisup, surgical
 
     reference = method_reference(row)
@@ -467,23 +468,26 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
     for seed in (split, split + SEED_OFFSET):
         run = project_cell(preset, data, seed, rounds, eval_rounds, work / f"seed{seed}", config=proj["config"],
                            log=log, method=row, opts=proj["opts"], batch_size=proj["batch_size"],
-                           local_epochs=proj["local_epochs"], image_size=image_size)
+                           local_epochs=proj["local_epochs"], image_size=image_size, widen=widen)
         run["metrics"] = {str(k): v for k, v in run["metrics"].items()}
         runs.append({**run, "train_seed": seed})
     method, oracle = METHOD_ROWS[row]
     # the multi-label references read the preset's network width and scaling, as the FedAvg check does
+    if widen and reference not in (surgical, fedmlp, fedpsl, partial_fedavg):
+        raise ValueError("--widen: only the ResNet-18 of the multi-label references has a width option")
     if reference in (surgical, fedmlp, fedpsl, partial_fedavg):
         bundle = reference_settings(preset)
         extra = {"partial": row == "fedavg_pl"} if reference is partial_fedavg else {}
         ref = reference.run(data, rounds, set(eval_rounds), seed=split, log=log, scaling=bundle["scaling"],
-                            widen=bundle.get("widen", 1.0), **extra, **s)
+                            widen=widen or bundle.get("widen", 1.0), **extra, **s)
     elif reference is fedmix:
         ref = fedmix.run(data, rounds, set(eval_rounds), seed=split, method=method, oracle=oracle, log=log, **s)
     else:
         ref = semisup.run(data, method, rounds, set(eval_rounds), seed=split, oracle=oracle, log=log, **(settings or {}))
     ref["metrics"] = {str(k): v for k, v in ref["metrics"].items()}
     return {"kind": "methods", "preset": preset, "row": row, "metric": REFERENCES[preset][1],
-            "data": str(data), "seed": split, "rounds": rounds, "image_size": image_size, "reference": s,
+            "data": str(data), "seed": split, "rounds": rounds, "image_size": image_size, "widen": widen,
+            "reference": s,
             "project_options": proj,
             "projects": runs, "reference_run": ref}
 
@@ -660,6 +664,7 @@ def _settings_text(s: dict, row: str) -> str:
                 f"{left}.")
 
     if row == "surgical":
+        s = {**s, "pos_weight": s.get("pos_weight", "none")}  # cells older than the option trained unweighted
         used = ", ".join(f"{k} {v}" for k, v in s.items())
         left = "; ".join(f"{k}: {v}" for k, v in surgical.LEFT_OUT.items())
         return (f"Both sides train with the reference's settings (`benchmarks/reference/surgical.py` `CHECK`, the "
@@ -679,13 +684,30 @@ def _settings_text(s: dict, row: str) -> str:
             f"instead: {left}.")
 
 
+def _input_text(preset: str, cs: list) -> str:
+    """The multi-label sections' network and input (they differ between sections): the ResNet-18's width, the
+    image size and where the project side augments."""
+    if REFERENCES[preset][0] != "multilabel":
+        return ""
+    from fedlabels import presets
+    from fedlabels.bundle import read
+
+    cfg = read(presets.load(preset).bundle, "", preset=preset, class_names=["a"])
+    widen = cs[0].get("widen") or reference_settings(preset).get("widen", 1.0)
+    size = cs[0].get("image_size") or cfg["image_size"]
+    where = ("per case in the loader (`--per-case-augmentation`, as the bundle without a preset does)"
+             if cs[0].get("project_config") else "as the preset does")
+    return (f"Network: ResNet-18 from scratch, width {widen:g}, {size} px on both sides; the project augments {where}, "
+            "the reference per case. ")
+
+
 def _methods_section(label, preset, cs_all, tolerance) -> list:
     metric = cs_all[0]["metric"]
     tol = tolerance[metric]
     splits = sorted({c["seed"] for c in cs_all})
     rows = [r for r in METHOD_ROWS if any(c["row"] == r for c in cs_all)]
     lines = [f"## {label}: the methods against their references (preset `{preset}`, splits {splits})", "",
-             _settings_text(cs_all[0]["reference"], cs_all[0]["row"]), "",
+             _input_text(preset, cs_all) + _settings_text(cs_all[0]["reference"], cs_all[0]["row"]), "",
              f"Per split the project ran twice (training seeds s and s + {SEED_OFFSET}, columns A and B) and the "
              "reference once (seed s). d = mean(A, B) - reference per split; seed-to-seed = A - B per split. "
              f"(a): the 90 % t interval of the mean of d inside ±{100 * tol:.0f} points; (b): max abs d <= max abs "
@@ -936,7 +958,7 @@ def main_methods(args, config: dict | None = None) -> None:
             result = compare_methods(args.preset, row, Path(args.data.replace("{seed}", str(seed))), seed,
                                      args.rounds, eval_rounds, out / "work" / f"{args.label}-{row.replace(':', '_')}",
                                      log=lambda m: print(m, flush=True), image_size=args.image_size,
-                                     settings=settings, config=config)
+                                     settings=settings, config=config, widen=args.widen)
             result["label"] = args.label
             result["project_config"] = config  # settings the project side changed from the preset (None: none)
             result["load"] = (load_before, os.getloadavg()[0])

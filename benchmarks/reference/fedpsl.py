@@ -41,7 +41,7 @@ PAPER = {
 }
 CHECK = {key: value for key, (value, _) in PAPER.items() if key != "rounds"}
 LEFT_OUT = {
-    "network": "the preset's ResNet-18 (width 0.25) from scratch at 32 px, not a DenseNet121 at 224 px",
+    "network": "the preset's ResNet-18 from scratch at the width and size the section names, not a DenseNet121 at 224 px",
     "input": "the preset's scaling and augmentation, not the paper's instance normalisation and its ref. [26]'s policy",
     "rounds": "the check's budget",
 }

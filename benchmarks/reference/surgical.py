@@ -73,7 +73,7 @@ PAPER = {
 # downloaded or trained here).
 CHECK = {key: value for key, (value, _) in PAPER.items() if key not in ("rounds", "feature_rule")}
 LEFT_OUT = {
-    "network": "the preset's ResNet-18 (width 0.25) from scratch at 32 px, not an ImageNet DenseNet121 at 224 px",
+    "network": "the preset's ResNet-18 from scratch at the width and size the section names, not an ImageNet DenseNet121 at 224 px",
     "warmup_selection": "the released code keeps the warm-up head of the best validation loss; both sides keep "
                         "the last (the project's client has no validation loader)",
     "rounds": "the check's budget",
