@@ -1,6 +1,7 @@
 """The project's rows against independent plain-PyTorch references, with an equivalence criterion.
 
-Methods (IsoFed's table, Surgical Aggregation, FedMLP and its FedAvg baselines, FedPSL, FedMix; ``--rows``)::
+Methods (IsoFed's table, Surgical Aggregation, FedMLP and its FedAvg baselines, FedPSL and its FedProx, FedMix;
+``--rows``)::
 
     python benchmarks/reference_check.py --preset isofed --rows oracle:wfedavg,isofed,mt_wfedavg \
         --data 'DIR-s{seed}' --seeds 0,1,2 --rounds 20 --eval-rounds 5,10,20 --label pneumoniamnist-g0.8-1L3U
@@ -8,13 +9,18 @@ Methods (IsoFed's table, Surgical Aggregation, FedMLP and its FedAvg baselines, 
         --seeds 0,1,2 --rounds 150 --eval-rounds 50,100,150 --label bloodmnist-one-class
     python benchmarks/reference_check.py --preset fedmix --rows fedmix --image-size 32 --data 'DIR-s{seed}' \
         --seeds 0,1,2 --rounds 50 --eval-rounds 25,50 --label ph2-UUL
+    python benchmarks/reference_check.py --preset cxr --rows fedavg,fedavg_pl --per-case-augmentation \
+        --set lr=0.001 --set batch_size=16 --set weight_decay=0 --set pos_weight=neg_over_pos \
+        --set carry_optimizer=true --data 'DIR-s{seed}' --seeds 0,1,2 --rounds 20 --eval-rounds 5,10,20 \
+        --label cxr-64px-bench-baselines     # bench_cxr's rows: the bundle's defaults, 64 px
 
 Per split s (one prepared split each; ``{seed}`` in ``--data``) and row, the project's row runs twice
 (``fedlabels bench``'s in-process round engine, training seeds s and s + ``SEED_OFFSET``) and its reference
 once: ``benchmarks/reference/semisup.py`` with ``semisup.CHECK`` (RSCFed's released values where the project
 can express them); ``surgical.py``, ``fedmlp.py``, ``partial_fedavg.py`` (FedMLP's FedAvg and FedAvg-PL),
-``fedpsl.py`` and ``fedmix.py`` with their ``CHECK`` (the paper's values, the released code's or a stated
-choice where the paper prints none, each source in the module's ``PAPER``); both sides train with them
+``fedpsl.py``, ``fedprox.py`` (FedPSL's FedProx) and ``fedmix.py`` with their ``CHECK`` (the paper's values, the
+released code's or a stated choice where the paper prints none, each source in the module's ``PAPER``); both
+sides train with them
 (``project_settings`` turns them into the row's options and stops on any it cannot; ``--set KEY=VALUE``
 changes one of them on both sides).
 
@@ -309,11 +315,12 @@ def verdict(a: dict, b: dict) -> str:
 METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False), "isofed_nopt": ("isofed_nopt", False),
                "surgical": ("surgical", False), "fedmlp": ("fedmlp", False),
                "fedpsl": ("fedpsl", False), "fedavg": ("fedavg", False), "fedavg_pl": ("fedavg_pl", False),
+               "fedprox": ("fedprox", False),
                "mt_wfedavg": ("mt_wfedavg", False), "fedmix": ("fedmix", False),
                "oracle:fedadaptagg": ("fedadaptagg", True)}
 # the kind of preset each row's reference trains (the others: classification)
 ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multilabel", "fedavg": "multilabel",
-            "fedavg_pl": "multilabel", "fedmix": "segmentation",
+            "fedavg_pl": "multilabel", "fedprox": "multilabel", "fedmix": "segmentation",
             "oracle:fedadaptagg": "segmentation"}
 SEED_OFFSET = 1000  # the project's second training seed on split s is s + SEED_OFFSET
 # The project's strong view is its weak view further transformed (fedlabels.site.TwoViews); a second random
@@ -335,7 +342,7 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         return fedmlp_settings(preset, s)
     if row == "fedpsl":
         return fedpsl_settings(preset, s)
-    if row in ("fedavg", "fedavg_pl"):
+    if row in ("fedavg", "fedavg_pl", "fedprox"):
         return partial_fedavg_settings(preset, row, s)
     if ROW_KIND.get(row) == "segmentation":
         return fedmix_settings(preset, row, s)
@@ -410,15 +417,18 @@ def fedpsl_settings(preset: str, s: dict) -> dict:
 
 
 def partial_fedavg_settings(preset: str, row: str, s: dict) -> dict:
-    """The project's ``fedavg`` (missing labels as negatives) or ``fedavg_pl`` (partial loss) row with the
-    reference's settings ``s`` (partial_fedavg.CHECK: FedMLP's paper, its released code where it prints none)."""
+    """The project's ``fedavg`` (missing labels as negatives), ``fedavg_pl`` (partial loss) or ``fedprox``
+    (partial loss and the proximal term) row with the reference's settings ``s`` (partial_fedavg.CHECK: FedMLP's
+    paper, its released code where it prints none; fedprox.CHECK: FedPSL's paper)."""
     if REFERENCES[preset][0] != "multilabel":
         raise ValueError(f"{row}: a multi-label preset, not {preset!r}")
     if s["pos_weight"] not in ("none", "neg_over_pos"):
         raise ValueError(f"pos_weight {s['pos_weight']!r}: the project weighs positives by N_neg / N_pos "
                          "('neg_over_pos') or not at all ('none')")
-    client = {"optimizer": "adam", "lr": s["lr"], "weight_decay": s["weight_decay"],
+    client = {"optimizer": "adam", "lr": s["lr"], "weight_decay": s.get("weight_decay", 0.0),
               "reset_optimizer": not s["carry_optimizer"], "pos_weighted": s["pos_weight"] == "neg_over_pos"}
+    if row == "fedprox":
+        client["mu"] = s["mu"]
     server = {"weighted": True}  # FedAvg by case counts
     opts = [f"{row}:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
@@ -444,11 +454,11 @@ def fedmix_settings(preset: str, row: str, s: dict) -> dict:
 
 def method_reference(row: str):
     """The module of ``benchmarks/reference/`` that implements ``row``'s method."""
-    from reference import fedmix, fedmlp, fedpsl, partial_fedavg, semisup, surgical
+    from reference import fedmix, fedmlp, fedprox, fedpsl, partial_fedavg, semisup, surgical
 
     return {"surgical": surgical, "fedmlp": fedmlp, "fedpsl": fedpsl, "fedmix": fedmix,
-            "oracle:fedadaptagg": fedmix, "fedavg": partial_fedavg,
-            "fedavg_pl": partial_fedavg}.get(row, semisup)  # semisup: IsoFed, MT+wFedAvg and wFedAvg
+            "oracle:fedadaptagg": fedmix, "fedavg": partial_fedavg, "fedavg_pl": partial_fedavg,
+            "fedprox": fedprox}.get(row, semisup)  # semisup: IsoFed, MT+wFedAvg and wFedAvg
 
 
 def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
@@ -458,7 +468,7 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
     method reference once (seed ``split``), one after the other in this process. ``config``: bundle overrides
     of the project side beyond the row's (``--per-case-augmentation``); ``widen``: the multi-label ResNet-18's
     width on both sides instead of the preset's."""
-    from reference import fedmix, fedmlp, fedpsl, partial_fedavg, semisup, surgical
+    from reference import fedmix, fedmlp, fedprox, fedpsl, partial_fedavg, semisup, surgical
 
     reference = method_reference(row)
     s = {**reference.CHECK, **(settings or {})}
@@ -473,9 +483,10 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
         runs.append({**run, "train_seed": seed})
     method, oracle = METHOD_ROWS[row]
     # the multi-label references read the preset's network width and scaling, as the FedAvg check does
-    if widen and reference not in (surgical, fedmlp, fedpsl, partial_fedavg):
+    multilabel = (surgical, fedmlp, fedpsl, partial_fedavg, fedprox)
+    if widen and reference not in multilabel:
         raise ValueError("--widen: only the ResNet-18 of the multi-label references has a width option")
-    if reference in (surgical, fedmlp, fedpsl, partial_fedavg):
+    if reference in multilabel:
         bundle = reference_settings(preset)
         extra = {"partial": row == "fedavg_pl"} if reference is partial_fedavg else {}
         ref = reference.run(data, rounds, set(eval_rounds), seed=split, log=log, scaling=bundle["scaling"],
@@ -634,7 +645,7 @@ def _fedavg_section(label, scaling, cs, tolerance) -> list:
 
 
 def _settings_text(s: dict, row: str) -> str:
-    from reference import fedmix, fedmlp, fedpsl, partial_fedavg, semisup, surgical
+    from reference import fedmix, fedmlp, fedprox, fedpsl, partial_fedavg, semisup, surgical
 
     if ROW_KIND.get(row) == "segmentation":
         used = ", ".join(f"{k} {v}" for k, v in s.items())
@@ -650,12 +661,13 @@ def _settings_text(s: dict, row: str) -> str:
                 + f". The project's row is given the settings as options (`project_options` in each cell). Not the "
                 f"paper's, and what runs instead: {left}.")
 
-    if row in ("fedmlp", "fedpsl", "fedavg", "fedavg_pl"):
+    if row in ("fedmlp", "fedpsl", "fedavg", "fedavg_pl", "fedprox"):
         used = ", ".join(f"{k} {v}" for k, v in s.items())
-        ref = {"fedmlp": fedmlp, "fedpsl": fedpsl}.get(row, partial_fedavg)
+        ref = {"fedmlp": fedmlp, "fedpsl": fedpsl, "fedprox": fedprox}.get(row, partial_fedavg)
         name = ref.__name__.rsplit(".", 1)[-1]
         left = "; ".join(f"{k}: {v}" for k, v in ref.LEFT_OUT.items())
-        where = "a stated choice (FedPSL has no released code)" if row == "fedpsl" else "the released code's"
+        where = ("a stated choice (FedPSL has no released code)" if row in ("fedpsl", "fedprox")
+                 else "the released code's")
         changed = [k for k in s if k in ref.CHECK and s[k] != ref.CHECK[k]]
         return (f"Both sides train with the reference's settings (`benchmarks/reference/{name}.py` `CHECK`, the "
                 f"paper's values, or {where} where the paper prints none; their sources are its "
@@ -844,11 +856,11 @@ def main(argv=None) -> None:
                          "(e.g. the rows of bench_cxr); without --rows: what the batching saves")
     ap.add_argument("--rows", help="comma-separated project rows checked against the method references "
                                    f"(benchmarks/reference/semisup.py, surgical.py, fedmlp.py, partial_fedavg.py, fedpsl.py, "
-                                   "fedmix.py): "
+                                   "fedprox.py, fedmix.py): "
                                    f"{', '.join(METHOD_ROWS)}; "
                                    f"each split runs the project with training seeds s and s + {SEED_OFFSET} and the "
                                    "reference once, with the reference's settings (semisup.CHECK, surgical.CHECK, "
-                                   "fedmlp.CHECK, partial_fedavg.CHECK, fedpsl.CHECK, fedmix.CHECK)")
+                                   "fedmlp.CHECK, partial_fedavg.CHECK, fedpsl.CHECK, fedprox.CHECK, fedmix.CHECK)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="with --rows: a reference setting instead of its CHECK value (a JSON value, e.g. beta=3, "
                          "carry_optimizer=false); both sides train with it")
@@ -941,7 +953,7 @@ def main_methods(args, config: dict | None = None) -> None:
     wrong = [r for r in rows if ROW_KIND.get(r, "classification") != kind]
     if wrong:
         raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl, fedavg, "
-                         "fedavg_pl: a "
+                         "fedavg_pl, fedprox: a "
                          "multi-label preset; fedmix: a segmentation preset; the others: a classification preset)")
     settings = _settings(args.set, rows)
     out = Path(args.out)

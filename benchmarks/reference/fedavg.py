@@ -3,9 +3,10 @@
 Each round every site starts from the global model with a fresh Adam (or, with
 ``carry_optimizer``, the Adam it trained with last round, its moments kept), makes
 ``epochs`` passes over its cases in shuffled batches of ``batch_size``
-(``loss(net, x, y, site_index)`` gives the batch loss, augmentation included),
-and the server averages every tensor of the site models by the sites' case
-counts. The test metric is computed at each round in ``eval_rounds``.
+(``loss(net, x, y, site_index)`` gives the batch loss, augmentation included;
+with ``mu`` > 0 FedProx's (mu/2)||w - w_global||^2 over the parameters is
+added to it), and the server averages every tensor of the site models by the
+sites' case counts. The test metric is computed at each round in ``eval_rounds``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 def run(make_net, sites, loss, evaluate, rounds: int, eval_rounds, gen: torch.Generator, lr: float,
         batch_size: int, epochs: int = 1, weight_decay: float = 0.0, log=print, tag: str = "",
-        carry_optimizer: bool = False) -> dict:
+        carry_optimizer: bool = False, mu: float = 0.0) -> dict:
     """``sites``: [(images, targets)]; returns the metric per eval round and the seconds of every round."""
     global_net = make_net()
     share = torch.tensor([len(y) for _, y in sites], dtype=torch.float64)
@@ -36,12 +37,16 @@ def run(make_net, sites, loss, evaluate, rounds: int, eval_rounds, gen: torch.Ge
                 kept[k] = (net, torch.optim.Adam(net.parameters(), lr=lr, weight_decay=weight_decay))
             net, opt = kept[k]
             net.load_state_dict(global_net.state_dict())
+            anchor = [p.detach().clone() for p in net.parameters()] if mu > 0 else None
             net.train()
             for _ in range(epochs):
                 order = torch.randperm(len(y), generator=gen)
                 for i in range(0, len(y), batch_size):
                     idx = order[i:i + batch_size]
                     batch_loss = loss(net, x[idx], y[idx], k)
+                    if anchor is not None:
+                        batch_loss = batch_loss + 0.5 * mu * sum(((p - a) ** 2).sum()
+                                                                 for p, a in zip(net.parameters(), anchor))
                     opt.zero_grad()
                     batch_loss.backward()
                     opt.step()

@@ -304,6 +304,23 @@ def test_the_fedavg_rows_get_the_references_settings_as_options_the_method_takes
         rc.project_settings("isofed", row, dict(partial_fedavg.CHECK))
 
 
+def test_the_fedprox_row_gets_the_references_settings_as_options_the_method_takes():
+    import reference_check as rc
+    from fedlabels.methods import get
+    from reference import fedprox
+
+    assert rc.method_reference("fedprox") is fedprox
+    got = rc.project_settings("cxr", "fedprox", dict(fedprox.CHECK))
+    opts = {k.split(":", 1)[1]: json.loads(v) for k, v in (o.split("=", 1) for o in got["opts"])}
+    assert got["batch_size"] == 16 and got["local_epochs"] == 10 and got["config"] == {}
+    assert opts == {"optimizer": "adam", "lr": 1e-3, "weight_decay": 0.0, "reset_optimizer": True,
+                    "pos_weighted": True, "mu": 0.001, "weighted": True}  # FedPSL Sec. VII-C, VII-D3
+    method = get("fedprox")
+    assert set(opts) <= set(method.client_option_names()) | set(method.server_option_names())
+    got = rc.project_settings("cxr", "fedprox", {**fedprox.CHECK, **rc._settings(["mu=0.01"], ["fedprox"])})
+    assert "fedprox:mu=0.01" in got["opts"]
+
+
 def test_the_surgical_row_gets_the_references_settings_as_options_the_method_takes():
     import reference_check as rc
     from fedlabels.methods import get

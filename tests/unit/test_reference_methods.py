@@ -810,12 +810,14 @@ def test_project_partial_fedavg_federation_equals_the_reference_over_two_rounds(
     assert gap > 1e-5 * 5, gap
 
 
-@pytest.mark.parametrize("carry", [False, True])
-def test_shared_fedavg_rounds_equal_the_project_federation_with_adam_fresh_or_carried(carry):
+@pytest.mark.parametrize("row,carry,mu", [("fedavg_pl", False, 0.0), ("fedavg_pl", True, 0.0),
+                                         ("fedprox", False, 0.5), ("fedprox", True, 0.5)])
+def test_shared_fedavg_rounds_equal_the_project_federation_with_adam_fresh_or_carried(row, carry, mu):
     """``benchmarks/reference/fedavg.run`` (every multi-label reference's rounds) against the project's
-    ``fedavg_pl`` sites and server: two sites of 8 and 6 cases, three rounds of two local epochs, one batch holding
-    every case, Adam fresh each round or carried (``reset_optimizer`` False, its moments kept): the global model
-    after each round equal. The other Adam rule gives a different model at the same tolerance."""
+    ``fedavg_pl`` or ``fedprox`` sites and server: two sites of 8 and 6 cases, three rounds of two local epochs, one
+    batch holding every case, Adam fresh each round or carried (``reset_optimizer`` False, its moments kept), with
+    FedProx's proximal term at ``mu`` (large, so that it matters at the tolerance): the global model after each
+    round equal. The other Adam rule, and for FedProx no proximal term, give a different model."""
     from fedlabels.methods.base import to_numpy
     from reference import fedavg as rfa
     from reference import partial_fedavg as rf
@@ -823,8 +825,9 @@ def test_shared_fedavg_rounds_equal_the_project_federation_with_adam_fresh_or_ca
     def edit(site, y, annotated):  # every annotated class has a positive and a negative
         y[0, annotated], y[1, annotated] = 1.0, 0.0
 
-    data, clients, server, _ = _two_site_federation("fedavg_pl", 6, edit, optimizer="adam", lr=0.01, epochs=2,
-                                                    reset_optimizer=not carry, pos_weighted=False)
+    data, clients, server, _ = _two_site_federation(row, 6, edit, optimizer="adam", lr=0.01, epochs=2,
+                                                    reset_optimizer=not carry, pos_weighted=False,
+                                                    **({"mu": mu} if row == "fedprox" else {}))
     start = to_numpy(_TinyResNet().state_dict())
     weights, project = start, []
     for rnd in range(3):
@@ -832,7 +835,7 @@ def test_shared_fedavg_rounds_equal_the_project_federation_with_adam_fresh_or_ca
         weights = server.aggregate(updates, weights, rnd)
         project.append(weights)
 
-    def reference(carry_optimizer):
+    def reference(carry_optimizer, mu=mu):
         def make_net():
             net = _TinyResNet()
             net.load_state_dict({k: torch.as_tensor(v) for k, v in start.items()})
@@ -842,12 +845,13 @@ def test_shared_fedavg_rounds_equal_the_project_federation_with_adam_fresh_or_ca
         rfa.run(make_net, list(data.values()), lambda net, x, y, k: rf.partial_loss(net(x), y),
                 lambda net: seen.append({k: v.clone() for k, v in net.state_dict().items()}) or {}, 3, {1, 2, 3},
                 torch.Generator().manual_seed(0), 0.01, batch_size=8, epochs=2, carry_optimizer=carry_optimizer,
-                log=lambda m: None)
+                log=lambda m: None, mu=mu)
         return seen
 
     for rnd, (want, got) in enumerate(zip(project, reference(carry))):
         for k, v in got.items():
             np.testing.assert_allclose(want[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"round {rnd} {k}")
-    other = reference(not carry)[-1]
-    assert max(float(np.abs(project[-1][k] - other[k].numpy()).max()) for k in other) > 1e-3
+    others = [reference(not carry)[-1]] + ([reference(carry, mu=0.0)[-1]] if mu else [])
+    for other in others:
+        assert max(float(np.abs(project[-1][k] - other[k].numpy()).max()) for k in other) > 1e-3
 
