@@ -567,9 +567,16 @@ COVERAGE = [
      "settings (RSCFed's released values where the project can express them), not with the preset's Adam 1e-3; "
      "`rscfed`, `isofed_nopt`, the other L:U and gamma, and every row with the preset's settings unchecked"),
     ("`partial_label_study` (embedded chest X-rays; BloodMNIST with per-image min-max scaling)",
-     "unchecked (its FedAvg, FedAvg-PL, Surgical and FedPSL rows have references, but not with its settings: "
-     "5 local epochs, per-image min-max scaling on BloodMNIST, budgets counted in local steps)"),
-    ("`bench_cxr` at 64 px", "unchecked (the `cxr` check runs 32 px)"),
+     "on BloodMNIST with the study's settings (per-image min-max scaling, Adam 1e-3 kept across rounds, batch 16, "
+     "5 local epochs, N_neg / N_pos weighting, ResNet-18 width 0.25 at 32 px; its scoring points, 80-960 local steps "
+     "a site, are rounds 1-12): `fedavg_pl` and `surgical` (2 warm-up epochs) against their references, splits 0-2 "
+     "(`pls-blood-*`); `fedavg`, `fedprox`, `surgical_nowarmup`, the FedPSL rows, the chest X-ray half and the "
+     "mechanism's diagnostics (probe, rho, head) unchecked"),
+    ("`bench_cxr` (embedded chest X-rays, 64 px: FedAvg, FedAvg-PL, FedProx, Surgical, FedPSL)",
+     "every row against its reference with the comparison's settings (the bundle's defaults: Adam 1e-3 kept across "
+     "rounds, batch 16, N_neg / N_pos weighting, per-case augmentation, full-width ResNet-18 at 64 px; Surgical "
+     "without its warm-up), on the comparison's splits 0-2 and for `fedavg`, `fedavg_pl` and `surgical` also 3-5 "
+     "(`cxr-64px-bench-*`); the floor rows and the best-on-validation models unchecked"),
     ("`fedmlp`, `fedmlp-preset`, `fedmlp-scale`, `fedmlp-cxr` (FedMLP, FedPSL, Surgical and the other multi-label rows)",
      "the upper bound's training path (`oracle:fedavg`, `fedmlp_blood` and `cxr` presets); on BloodMNIST one class a "
      "site (`fedmlp-preset`'s missing-7 level): `surgical` against its training reference "
