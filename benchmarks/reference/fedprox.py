@@ -13,10 +13,6 @@ Training settings (``PAPER``): FedPSL's for all methods (Sec. VII-D3), the same 
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
-
 from . import fedpsl
 
 # (value, source)
@@ -34,20 +30,11 @@ LEFT_OUT = {**{key: fedpsl.LEFT_OUT[key] for key in ("network", "input", "rounds
 def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 1e-3, epochs: int = 10, batch_size: int = 16,
         carry_optimizer: bool = False, mu: float = 0.001, pos_weight: str = "neg_over_pos", widen: float = 0.25,
         scaling: str = "fixed", log=print) -> dict:
-    """FedProx over a prepared partial-label scenario (label -1: not labeled), in the shared FedAvg rounds with
-    the proximal term. Test metric: the mean one-vs-rest AUROC of the global model on the pooled test split."""
-    from . import fedavg
-    from .fedavg_multilabel import ResNet18, augment, load_scenario, macro_auroc
-    from .partial_fedavg import class_weights, partial_loss
+    """FedProx over a prepared partial-label scenario (label -1: not labeled): FedAvg-PL's rounds
+    (``partial_fedavg.run``, no weight decay) with the proximal term. Test metric: the mean one-vs-rest AUROC of
+    the global model on the pooled test split."""
+    from . import partial_fedavg
 
-    classes, sites, test = load_scenario(Path(data), scaling)
-    weights = [class_weights(y, pos_weight) for _, y in sites]
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-
-    def loss(net, x, y, k):
-        return partial_loss(net(augment(x, gen)), y, weights[k])
-
-    return fedavg.run(lambda: ResNet18(1, len(classes), widen), sites, loss,
-                      lambda net: {"auroc": macro_auroc(net, *test)}, rounds, eval_rounds, gen, lr, batch_size,
-                      epochs, log=log, tag=f"fedprox seed {seed} ", carry_optimizer=carry_optimizer, mu=mu)
+    return partial_fedavg.run(data, rounds, eval_rounds, seed=seed, partial=True, lr=lr, batch_size=batch_size,
+                              weight_decay=0.0, carry_optimizer=carry_optimizer, epochs=epochs,
+                              pos_weight=pos_weight, widen=widen, scaling=scaling, log=log, mu=mu)

@@ -24,6 +24,7 @@ import torch
 from torch.nn import functional as F
 
 from . import fedmlp
+from .surgical import partial_bce
 
 # (value, source): FedMLP's settings are for "all comparison methods" (Sec. 3.1.3), so the shared ones are its
 # reference's; the released code trains the baselines in ``train``, not ``train_FedMLP``.
@@ -59,19 +60,17 @@ def naive_loss(logits, y, weight=None) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits, y.clamp(min=0), pos_weight=weight)
 
 
-def partial_loss(logits, y, weight=None) -> torch.Tensor:
-    """FedAvg-PL: the BCE over the annotated entries (y >= 0), averaged over them (0 when there are none)."""
-    mask = (y >= 0).float()
-    bce = F.binary_cross_entropy_with_logits(logits, y.clamp(min=0), pos_weight=weight, reduction="none")
-    return (bce * mask).sum() / mask.sum().clamp(min=1)
+# FedAvg-PL: the BCE over the annotated entries (y >= 0), averaged over them (0 when there are none): the same
+# rule as each Surgical site's loss.
+partial_loss = partial_bce
 
 
 def run(data, rounds: int, eval_rounds, seed: int = 0, partial: bool = True, lr: float = 3e-5,
         batch_size: int = 32, weight_decay: float = 5e-4, carry_optimizer: bool = False, epochs: int = 1,
-        pos_weight: str = "none", widen: float = 0.25, scaling: str = "fixed", log=print) -> dict:
+        pos_weight: str = "none", widen: float = 0.25, scaling: str = "fixed", log=print, mu: float = 0.0) -> dict:
     """FedAvg (``partial=False``) or FedAvg-PL (``partial=True``) over a prepared partial-label scenario (label
-    -1: not annotated), in the shared FedAvg rounds of ``fedavg.run``. Test metric: the mean one-vs-rest AUROC
-    of the global model on the pooled test split."""
+    -1: not annotated), in the shared FedAvg rounds of ``fedavg.run`` (``mu`` > 0 adds FedProx's proximal term:
+    ``fedprox.run``). Test metric: the mean one-vs-rest AUROC of the global model on the pooled test split."""
     from . import fedavg
     from .fedavg_multilabel import ResNet18, augment, load_scenario, macro_auroc
 
@@ -86,5 +85,5 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, partial: bool = True, lr:
 
     return fedavg.run(lambda: ResNet18(1, len(classes), widen), sites, loss,
                       lambda net: {"auroc": macro_auroc(net, *test)}, rounds, eval_rounds, gen, lr, batch_size,
-                      epochs, weight_decay, log=log, tag=f"{'fedavg_pl' if partial else 'fedavg'} seed {seed} ",
-                      carry_optimizer=carry_optimizer)
+                      epochs, weight_decay, log=log, tag=f"{'fedprox' if mu > 0 else 'fedavg_pl' if partial else 'fedavg'} seed {seed} ",
+                      carry_optimizer=carry_optimizer, mu=mu)
