@@ -316,7 +316,7 @@ METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False),
                "surgical": ("surgical", False), "fedmlp": ("fedmlp", False),
                "fedpsl": ("fedpsl", False), "fedavg": ("fedavg", False), "fedavg_pl": ("fedavg_pl", False),
                "fedprox": ("fedprox", False),
-               "mt_wfedavg": ("mt_wfedavg", False), "fedmix": ("fedmix", False),
+               "mt_wfedavg": ("mt_wfedavg", False), "rscfed": ("rscfed", False), "fedmix": ("fedmix", False),
                "oracle:fedadaptagg": ("fedadaptagg", True)}
 # the kind of preset each row's reference trains (the others: classification)
 ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multilabel", "fedavg": "multilabel",
@@ -366,6 +366,8 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
                    "pretrain_sites": "unlabeled"}
     server = {"lambda_c": s["sup_scale"], "lambda_unlabeled": s["dist_scale"], "labeled_multiplier": 1.0,
               "warmup_rounds": 0}
+    if row == "rscfed":  # the subsets are drawn from the run's seed on the project's side, Python's random here
+        server |= {"subsets": s["subsets"], "subset_size": s["subset_size"]}
     opts = [f"{row}:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"],
             "config": {"train#strong_random_transforms": STRONG_AS_SECOND_FLIP} if row != "oracle:wfedavg" else {}}

@@ -29,12 +29,21 @@ every value).
   W_glob at once, one aggregation (the group holds a labeled site:
   ``sup_scale``). ``wfedavg``: labeled sites only (with ``oracle=True`` every
   site from its full labels: the paper's upper bound).
+* ``rscfed`` (RSCFed, Liang et al., CVPR 2022, as its released ``train_main.py``
+  runs it): each round ``subsets`` draws of ``subset_size`` distinct sites
+  (``random.sample``, RSCFed's ``--meta_round`` and ``--meta_client_num``);
+  every member of every subset trains from W_glob (a site drawn twice trains
+  twice, its optimizer carried between them as RSCFed's per-client optimizer
+  state is); each subset is aggregated by Eq. 2-3 (``sup_scale`` when it holds a
+  labeled site, else ``dist_scale``); W_glob is the plain mean of the subset
+  models.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import random
 import time
 from pathlib import Path
 
@@ -77,6 +86,8 @@ RSCFED = {
                                       "initialises the teacher from the received model every round (this reference)"),
     "ema_warmup": ("min(1 - 1 / (step + 1), ema_decay)", "local_unsupervised.py update_ema_variables, step = the "
                                                           "client's iteration count over all rounds"),
+    "meta_round": (3, f"{_README}: --meta_round=3, the number of sub-consensus models a round"),
+    "meta_client_num": (5, f"{_README}: --meta_client_num=5 of its 10 clients (train_main.py random.sample)"),
     "w_mul_times_rule": ("see source", "train_main.py: with --un_dist '' (options.py default) a chosen labeled "
                                        "client's count is multiplied before the average and its coefficient "
                                        "multiplied again (m^2 n exp(...)); with the README's --un_dist=avg only "
@@ -92,7 +103,8 @@ CHECK = {"optimizer": "sgd", "lr": RSCFED["lr_labeled"][0], "lr_unlabeled": RSCF
          "temperature": RSCFED["temperature"][0], "ema_alpha": round(1 - RSCFED["ema_decay"][0], 12),
          "sup_scale": RSCFED["sup_scale"][0], "dist_scale": RSCFED["dist_scale"][0],
          "carry_optimizer": RSCFED["carry_optimizer"][0], "max_grad_norm": RSCFED["max_grad_norm"][0],
-         "augment": "hflip", "strong": "hflip", "scaling": "fixed", "distance": "paper", "pretrain_epochs": 1}
+         "augment": "hflip", "strong": "hflip", "scaling": "fixed", "distance": "paper", "pretrain_epochs": 1,
+         "subsets": RSCFED["meta_round"][0], "subset_size": 3}
 LEFT_OUT = {
     "augment": "a left-right flip only, no random crop (RSCFed crops 32 px out of 40 px; MedMNIST is 28 px and the "
                "project's bundle has no crop); the student's view is a second independent flip, as RSCFed's second "
@@ -108,6 +120,8 @@ CHOICES = {"pretrain_epochs": "1 pass over the unlabeled site's weak views",
            "pretrain_lr": "the site's lr, a fresh optimizer of the same kind each round",
            "pretrain_target": "the adapted model starts the teacher and the student (Sec. 2.4 adapts 'the global "
                               "model' before it initialises the teacher)",
+           "subset_size": "3 of the 4 sites (RSCFed's README draws 5 of its 10 clients; the isofed_rscfed preset's "
+                          "choice, which the check gives both sides)",
            "pretrain_sites": "the unlabeled sites only (Sec. 2.4 pretrains before the model initialises the teacher, "
                              "which only they have; Fig. 2's caption says 'for each client')"}
 
@@ -251,7 +265,7 @@ def train_unlabeled(net, opt, x, s, gen) -> None:
 
 # ---------------------------------------------------------------- rounds
 
-METHODS = ("wfedavg", "isofed", "isofed_nopt", "mt_wfedavg")
+METHODS = ("wfedavg", "isofed", "isofed_nopt", "mt_wfedavg", "rscfed")
 
 
 class Site:
@@ -278,32 +292,51 @@ def finite(state: dict) -> bool:
     return all(bool(torch.isfinite(torch.as_tensor(v)).all()) for v in state.values())
 
 
-def one_round(method: str, sites: list, weights: dict, s: dict, gen, dropped: list | None = None) -> dict:
-    """One round of ``method`` from the global ``weights``; returns the new global weights.
+def one_round(method: str, sites: list, weights: dict, s: dict, gen, dropped: list | None = None,
+              draws: list | None = None) -> dict:
+    """One round of ``method`` from the global ``weights``; returns the new global weights. ``draws``
+    (``rscfed`` only): this round's subsets, each a list of indices into ``sites``.
 
     A site whose trained model is not finite (its training diverged) is left out of its group's aggregate and
-    named in ``dropped``; a group with no finite model leaves its start model unchanged (the reference's
-    choice: the papers do not say)."""
+    named in ``dropped``; a group with no finite model leaves its start model unchanged, and RSCFed's mean
+    leaves that subset out (the reference's choice: the papers do not say)."""
     labeled = [t for t in sites if t.labeled]
     unlabeled = [t for t in sites if not t.labeled]
 
     def group(members, start, scale):
+        """The group's aggregate, or None when no member's model is finite."""
         trained = [(t, t.train(start, method, gen)) for t in members]
         kept = [(t, st) for t, st in trained if finite(st)]
         if dropped is not None:
             dropped.extend(getattr(t, "name", str(i)) for i, (t, st) in enumerate(trained) if not finite(st))
         if not kept:
-            return start
+            return None
         return wfedavg([st for _, st in kept], [t.n for t, _ in kept], scale, s["distance"])
 
+    def scale(members):
+        return s["sup_scale"] if any(t.labeled for t in members) else s["dist_scale"]
+
     if method in ("isofed", "isofed_nopt"):
-        w_u = group(unlabeled, weights, s["dist_scale"]) if unlabeled else weights
-        return group(labeled, w_u, s["sup_scale"])
+        w_u = (group(unlabeled, weights, s["dist_scale"]) if unlabeled else None) or weights
+        return group(labeled, w_u, s["sup_scale"]) or w_u
     if method == "mt_wfedavg":
-        return group(sites, weights, s["sup_scale"] if labeled else s["dist_scale"])
+        return group(sites, weights, scale(sites)) or weights
     if method == "wfedavg":
-        return group(labeled, weights, s["sup_scale"])
+        return group(labeled, weights, s["sup_scale"]) or weights
+    if method == "rscfed":
+        if not draws:
+            raise ValueError("rscfed: a round needs its subsets (draws)")
+        models = [m for m in (group([sites[i] for i in d], weights, scale([sites[i] for i in d])) for d in draws)
+                  if m is not None]
+        return mean_state(models, [1.0] * len(models)) if models else weights
     raise ValueError(f"method {method!r}: one of {METHODS}")
+
+
+def draw_subsets(rng: random.Random, n_sites: int, s: dict) -> list:
+    """RSCFed's draw (train_main.py): ``subsets`` times ``random.sample`` of ``subset_size`` distinct sites."""
+    if not 1 <= s["subset_size"] <= n_sites:
+        raise ValueError(f"subset_size {s['subset_size']}: between 1 and the {n_sites} sites")
+    return [rng.sample(range(n_sites), s["subset_size"]) for _ in range(s["subsets"])]
 
 
 def read_sites(data: Path, channels: int, scaling: str, oracle: bool) -> tuple:
@@ -336,6 +369,7 @@ def run(data, method: str, rounds: int, eval_rounds, seed: int = 0, oracle: bool
         raise ValueError(f"{data}: no labeled site")
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
+    subsets = random.Random(seed)  # RSCFed draws with Python's random module
 
     def make_net():
         return IsoFedCNN(channels, classes)
@@ -349,7 +383,8 @@ def run(data, method: str, rounds: int, eval_rounds, seed: int = 0, oracle: bool
     for rnd in range(1, rounds + 1):
         t0 = time.perf_counter()
         lost = []
-        weights = one_round(method, sites, weights, s, gen, dropped=lost)
+        draws = draw_subsets(subsets, len(sites), s) if method == "rscfed" else None
+        weights = one_round(method, sites, weights, s, gen, dropped=lost, draws=draws)
         seconds.append(time.perf_counter() - t0)
         if lost:
             dropped[rnd] = lost

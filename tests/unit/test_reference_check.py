@@ -206,6 +206,11 @@ def test_the_project_rows_get_the_references_settings():
     other = dict(o.split(":", 1)[1].split("=", 1) for o in
                  rc.project_settings("isofed", "isofed", {**s, "momentum": 0.5, "max_grad_norm": None})["opts"])
     assert float(other["momentum"]) == 0.5 and other["clip_grad_norm"] == "null"
+    # RSCFed's subsets reach the project's server; the other rows' servers take no such option
+    rsc = dict(o.split(":", 1)[1].split("=", 1) for o in
+               rc.project_settings("isofed", "rscfed", {**s, "subsets": 2, "subset_size": 4})["opts"])
+    assert (int(rsc["subsets"]), int(rsc["subset_size"])) == (2, 4) and "pretrain" not in rsc
+    assert (s["subsets"], s["subset_size"]) == (3, 3) and "subsets" not in opts
 
 
 def test_the_fedmix_rows_get_the_references_settings_and_set_changes_both_sides():

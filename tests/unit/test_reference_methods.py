@@ -124,6 +124,43 @@ def test_mt_wfedavg_round_by_hand():
     assert new["w"].item() == pytest.approx((10 * 10 + 10 * 1 + 30 * 3) / 50)  # 4.0
 
 
+def test_rscfed_round_by_hand():
+    sites = stubs()
+    # subsets {L1, U1} and {U1, U2}, every member from W_glob = 0 (U1 twice): (10*10 + 10*1) / 20 = 5.5 and
+    # (10*1 + 30*3) / 40 = 2.5; W_glob = their plain mean, 4.0 (a count-weighted mean of the two would be 3.5)
+    new = ref.one_round("rscfed", sites, {"w": t([0.0])}, SCALE0, None, draws=[[0, 1], [1, 2]])
+    assert [s.seen for s in sites] == [[0.0], [0.0, 0.0], [0.0]]
+    assert new["w"].item() == pytest.approx(4.0)
+    # a subset whose every model diverged is left out of the mean
+    sites = stubs()
+    sites[0].delta = float("nan")
+    dropped = []
+    new = ref.one_round("rscfed", sites, {"w": t([0.0])}, SCALE0, None, dropped=dropped, draws=[[0], [1, 2]])
+    assert dropped == ["L1"] and new["w"].item() == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="subsets"):
+        ref.one_round("rscfed", stubs(), {"w": t([0.0])}, SCALE0, None)
+
+
+def test_rscfed_subset_scale_follows_its_members():
+    # the subset holding the labeled site uses sup_scale (0: FedAvg), the unlabeled-only one dist_scale (large:
+    # the model closest per case wins)
+    sites = [Stub("L1", True, 10, 10.0), Stub("U1", False, 10, 1.0), Stub("U2", False, 10, 9.0),
+             Stub("U3", False, 10, 2.0)]
+    new = ref.one_round("rscfed", sites, {"w": t([0.0])}, {**SCALE0, "dist_scale": 1e4}, None,
+                        draws=[[0, 1], [1, 2, 3]])
+    assert new["w"].item() == pytest.approx((5.5 + 2.0) / 2)
+
+
+def test_rscfed_draws_distinct_sites_per_subset():
+    import random
+
+    draws = [ref.draw_subsets(random.Random(s), 4, {"subsets": 3, "subset_size": 3}) for s in range(20)]
+    assert all(len(d) == 3 and all(len(set(g)) == 3 and set(g) <= {0, 1, 2, 3} for g in d) for d in draws)
+    assert len({tuple(map(tuple, d)) for d in draws}) > 1  # the seed changes the draw
+    with pytest.raises(ValueError, match="subset_size"):
+        ref.draw_subsets(random.Random(0), 2, {"subsets": 3, "subset_size": 3})
+
+
 def test_the_groups_scales():
     # unlabeled-only group: dist_scale; a group holding a labeled site: sup_scale. Infinite scale on the unlabeled
     # group only: W_u is the closest-per-case site's model, the labeled step stays FedAvg
@@ -200,24 +237,33 @@ class TensorStub(Stub):
         return {k: weights[k] + _torch(self.delta)[k].to(weights[k].dtype) for k in weights}
 
 
-@pytest.mark.parametrize("method", ["isofed", "mt_wfedavg", "wfedavg"])
+@pytest.mark.parametrize("method", ["isofed", "mt_wfedavg", "wfedavg", "rscfed"])
 @pytest.mark.parametrize("scales", [(1.0, 1e4), (0.3, 2.0)])
 def test_project_semisup_servers_equal_the_reference_round(method, scales):
-    from fedlabels.methods.semisup import IsoFedServer, WeightedFedAvgServer
+    from fedlabels.methods.semisup import IsoFedServer, RSCFedServer, WeightedFedAvgServer
 
     sup, dist = scales
     names = ["L1", "L2", "U1", "U2"] if method != "wfedavg" else ["L1", "L2", "L3"]
     deltas = dict(zip(names, _random_states(len(names), 7)))
     n = dict(zip(names, [50, 20, 35, 90][:len(names)]))
     start = _random_states(1, 3)[0]
-    server = (IsoFedServer if method == "isofed" else WeightedFedAvgServer)(lambda_c=sup, lambda_unlabeled=dist)
+    if method == "rscfed":  # subsets of 2: at seed 5 one holds only unlabeled sites, so both scales are used
+        server = RSCFedServer(subsets=3, subset_size=2, seed=5, lambda_c=sup, lambda_unlabeled=dist)
+        draws = [[names.index(x) for x in g] for g in server.draw(0, names)]
+        assert any(all(names[i].startswith("U") for i in d) for d in draws)
+        assert any(any(names[i].startswith("L") for i in d) for d in draws)
+    else:
+        server = (IsoFedServer if method == "isofed" else WeightedFedAvgServer)(lambda_c=sup, lambda_unlabeled=dist)
+        draws = None
     got, seen = _engine_round(server, deltas, n, start)
     sites = [TensorStub(s, s.startswith("L"), n[s], deltas[s]) for s in names]
-    want = ref.one_round(method, sites, _torch(start), {**ref.CHECK, "sup_scale": sup, "dist_scale": dist}, None)
+    want = ref.one_round(method, sites, _torch(start), {**ref.CHECK, "sup_scale": sup, "dist_scale": dist}, None,
+                         draws=draws)
     for k in start:
         np.testing.assert_allclose(got[k], want[k].numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
-    for site in sites:  # each site received the same model on both sides
-        for a, b in zip(seen[site.name], site.seen):
+    for site in sites:  # each site received the same models, as often, on both sides
+        assert len(seen.get(site.name, [])) == len(site.seen)
+        for a, b in zip(seen.get(site.name, []), site.seen):
             for k in a:
                 np.testing.assert_allclose(a[k], b[k].numpy(), rtol=1e-5, atol=1e-6)
 
