@@ -707,7 +707,7 @@ def _settings_text(s: dict, row: str) -> str:
 
 def _input_text(preset: str, cs: list) -> str:
     """The multi-label sections' network and input (they differ between sections): the ResNet-18's width, the
-    image size and where the project side augments."""
+    image size, the preset's intensity scaling (both sides read it) and where the project side augments."""
     if REFERENCES[preset][0] != "multilabel":
         return ""
     from fedlabels import presets
@@ -718,8 +718,10 @@ def _input_text(preset: str, cs: list) -> str:
     size = cs[0].get("image_size") or cfg["image_size"]
     where = ("per case in the loader (`--per-case-augmentation`, as the bundle without a preset does)"
              if cs[0].get("project_config") else "as the preset does")
-    return (f"Network: ResNet-18 from scratch, width {widen:g}, {size} px on both sides; the project augments {where}, "
-            "the reference per case. ")
+    scaling = {"fixed": "0-255 to [-1, 1]", "minmax": "each image to [0, 1] by its own min and max"}[
+        reference_settings(preset)["scaling"]]
+    return (f"Network: ResNet-18 from scratch, width {widen:g}, {size} px on both sides; intensity: {scaling}, on both "
+            f"sides; the project augments {where}, the reference per case. ")
 
 
 def _methods_section(label, preset, cs_all, tolerance) -> list:

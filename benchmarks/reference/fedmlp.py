@@ -77,8 +77,8 @@ PAPER = {
 CHECK = {key: value for key, (value, _) in PAPER.items() if key != "rounds"}
 LEFT_OUT = {
     "network": "the preset's ResNet-18 from scratch at the width and size the section names, not an ImageNet ResNet-18 at 224 px",
-    "input": "the preset's 0-255 to [-1, 1] scaling of grey 32 px images, not the released code's ImageNet "
-             "normalisation at 224 px",
+    "input": "the preset's scaling (the section names it) of grey images at the section's size, not the released "
+             "code's ImageNet normalisation at 224 px",
     "views": "the bundle's two views (the weak affine and contrast change; the strong view adds a contrast change, "
              "Gaussian noise and a dropped square), not the released code's transforms",
     "rounds": "the check's budget",

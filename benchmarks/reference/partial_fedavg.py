@@ -38,7 +38,7 @@ PAPER = {**{key: fedmlp.PAPER[key] for key in ("lr", "batch_size", "epochs", "ro
 # network, the input and the augmentation are the check's preset's.
 CHECK = {key: value for key, (value, _) in PAPER.items() if key != "rounds"}
 LEFT_OUT = {**fedmlp.LEFT_OUT,
-            "input": "the preset's 0-255 to [-1, 1] scaling and its weak augmentation (an affine and a contrast "
+            "input": "the preset's scaling (the section names it) and its weak augmentation (an affine and a contrast "
                      "change), not the released code's ImageNet normalisation and transforms at 224 px"}
 del LEFT_OUT["views"]  # the baselines train on one view
 POS_WEIGHTS = ("none", "neg_over_pos")
