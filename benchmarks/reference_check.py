@@ -18,7 +18,7 @@ Per split s (one prepared split each; ``{seed}`` in ``--data``) and row, the pro
 (``fedlabels bench``'s in-process round engine, training seeds s and s + ``SEED_OFFSET``) and its reference
 once: ``benchmarks/reference/semisup.py`` with ``semisup.CHECK`` (RSCFed's released values where the project
 can express them); ``surgical.py``, ``fedmlp.py``, ``partial_fedavg.py`` (FedMLP's FedAvg and FedAvg-PL),
-``fedpsl.py``, ``fedprox.py`` (FedPSL's FedProx) and ``fedmix.py`` with their ``CHECK`` (the paper's values, the
+``fedpsl.py``, ``fedprox.py`` (FedPSL's FedProx), ``fedfixmatch.py`` (FedMLP's FedFixMatch) and ``fedmix.py`` with their ``CHECK`` (the paper's values, the
 released code's or a stated choice where the paper prints none, each source in the module's ``PAPER``); both
 sides train with them
 (``project_settings`` turns them into the row's options and stops on any it cannot; ``--set KEY=VALUE``
@@ -315,12 +315,12 @@ def verdict(a: dict, b: dict) -> str:
 METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False), "isofed_nopt": ("isofed_nopt", False),
                "surgical": ("surgical", False), "fedmlp": ("fedmlp", False),
                "fedpsl": ("fedpsl", False), "fedavg": ("fedavg", False), "fedavg_pl": ("fedavg_pl", False),
-               "fedprox": ("fedprox", False),
+               "fedprox": ("fedprox", False), "fedfixmatch": ("fedfixmatch", False),
                "mt_wfedavg": ("mt_wfedavg", False), "rscfed": ("rscfed", False), "fedmix": ("fedmix", False),
                "oracle:fedadaptagg": ("fedadaptagg", True)}
 # the kind of preset each row's reference trains (the others: classification)
 ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multilabel", "fedavg": "multilabel",
-            "fedavg_pl": "multilabel", "fedprox": "multilabel", "fedmix": "segmentation",
+            "fedavg_pl": "multilabel", "fedprox": "multilabel", "fedfixmatch": "multilabel", "fedmix": "segmentation",
             "oracle:fedadaptagg": "segmentation"}
 SEED_OFFSET = 1000  # the project's second training seed on split s is s + SEED_OFFSET
 # The project's strong view is its weak view further transformed (fedlabels.site.TwoViews); a second random
@@ -342,7 +342,7 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         return fedmlp_settings(preset, s)
     if row == "fedpsl":
         return fedpsl_settings(preset, s)
-    if row in ("fedavg", "fedavg_pl", "fedprox"):
+    if row in ("fedavg", "fedavg_pl", "fedprox", "fedfixmatch"):
         return partial_fedavg_settings(preset, row, s)
     if ROW_KIND.get(row) == "segmentation":
         return fedmix_settings(preset, row, s)
@@ -419,9 +419,10 @@ def fedpsl_settings(preset: str, s: dict) -> dict:
 
 
 def partial_fedavg_settings(preset: str, row: str, s: dict) -> dict:
-    """The project's ``fedavg`` (missing labels as negatives), ``fedavg_pl`` (partial loss) or ``fedprox``
-    (partial loss and the proximal term) row with the reference's settings ``s`` (partial_fedavg.CHECK: FedMLP's
-    paper, its released code where it prints none; fedprox.CHECK: FedPSL's paper)."""
+    """The project's ``fedavg`` (missing labels as negatives), ``fedavg_pl`` (partial loss), ``fedprox``
+    (partial loss and the proximal term) or ``fedfixmatch`` (partial loss and FixMatch on the missing classes) row
+    with the reference's settings ``s`` (partial_fedavg.CHECK and fedfixmatch.CHECK: FedMLP's paper, its released
+    code where it prints none; fedprox.CHECK: FedPSL's paper)."""
     if REFERENCES[preset][0] != "multilabel":
         raise ValueError(f"{row}: a multi-label preset, not {preset!r}")
     if s["pos_weight"] not in ("none", "neg_over_pos"):
@@ -431,6 +432,8 @@ def partial_fedavg_settings(preset: str, row: str, s: dict) -> dict:
               "reset_optimizer": not s["carry_optimizer"], "pos_weighted": s["pos_weight"] == "neg_over_pos"}
     if row == "fedprox":
         client["mu"] = s["mu"]
+    if row == "fedfixmatch":
+        client |= {"confidence": s["confidence"], "lambda_u": s["lambda_u"]}
     server = {"weighted": True}  # FedAvg by case counts
     opts = [f"{row}:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
@@ -456,11 +459,11 @@ def fedmix_settings(preset: str, row: str, s: dict) -> dict:
 
 def method_reference(row: str):
     """The module of ``benchmarks/reference/`` that implements ``row``'s method."""
-    from reference import fedmix, fedmlp, fedprox, fedpsl, partial_fedavg, semisup, surgical
+    from reference import fedfixmatch, fedmix, fedmlp, fedprox, fedpsl, partial_fedavg, semisup, surgical
 
     return {"surgical": surgical, "fedmlp": fedmlp, "fedpsl": fedpsl, "fedmix": fedmix,
             "oracle:fedadaptagg": fedmix, "fedavg": partial_fedavg, "fedavg_pl": partial_fedavg,
-            "fedprox": fedprox}.get(row, semisup)  # semisup: IsoFed, MT+wFedAvg and wFedAvg
+            "fedprox": fedprox, "fedfixmatch": fedfixmatch}.get(row, semisup)  # semisup: IsoFed, MT+wFedAvg and wFedAvg
 
 
 def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
@@ -470,7 +473,7 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
     method reference once (seed ``split``), one after the other in this process. ``config``: bundle overrides
     of the project side beyond the row's (``--per-case-augmentation``); ``widen``: the multi-label ResNet-18's
     width on both sides instead of the preset's."""
-    from reference import fedmix, fedmlp, fedprox, fedpsl, partial_fedavg, semisup, surgical
+    from reference import fedmix, partial_fedavg, semisup
 
     reference = method_reference(row)
     s = {**reference.CHECK, **(settings or {})}
@@ -485,10 +488,10 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
         runs.append({**run, "train_seed": seed})
     method, oracle = METHOD_ROWS[row]
     # the multi-label references read the preset's network width and scaling, as the FedAvg check does
-    multilabel = (surgical, fedmlp, fedpsl, partial_fedavg, fedprox)
-    if widen and reference not in multilabel:
+    multilabel = ROW_KIND.get(row) == "multilabel"
+    if widen and not multilabel:
         raise ValueError("--widen: only the ResNet-18 of the multi-label references has a width option")
-    if reference in multilabel:
+    if multilabel:
         bundle = reference_settings(preset)
         extra = {"partial": row == "fedavg_pl"} if reference is partial_fedavg else {}
         ref = reference.run(data, rounds, set(eval_rounds), seed=split, log=log, scaling=bundle["scaling"],
@@ -654,7 +657,7 @@ def _fedavg_section(label, scaling, cs, tolerance) -> list:
 
 
 def _settings_text(s: dict, row: str) -> str:
-    from reference import fedmix, fedmlp, fedprox, fedpsl, partial_fedavg, semisup, surgical
+    from reference import fedmix, semisup, surgical
 
     if ROW_KIND.get(row) == "segmentation":
         used = ", ".join(f"{k} {v}" for k, v in s.items())
@@ -670,9 +673,9 @@ def _settings_text(s: dict, row: str) -> str:
                 + f". The project's row is given the settings as options (`project_options` in each cell). Not the "
                 f"paper's, and what runs instead: {left}.")
 
-    if row in ("fedmlp", "fedpsl", "fedavg", "fedavg_pl", "fedprox"):
+    if row in ("fedmlp", "fedpsl", "fedavg", "fedavg_pl", "fedprox", "fedfixmatch"):
         used = ", ".join(f"{k} {v}" for k, v in s.items())
-        ref = {"fedmlp": fedmlp, "fedpsl": fedpsl, "fedprox": fedprox}.get(row, partial_fedavg)
+        ref = method_reference(row)
         name = ref.__name__.rsplit(".", 1)[-1]
         left = "; ".join(f"{k}: {v}" for k, v in ref.LEFT_OUT.items())
         where = ("a stated choice (FedPSL has no released code)" if row in ("fedpsl", "fedprox")
@@ -697,7 +700,8 @@ def _settings_text(s: dict, row: str) -> str:
     used = ", ".join(f"{k} {s[k]}" for k in ("optimizer", "lr", "momentum", "weight_decay", "batch_size", "epochs",
                                                "lambda_u", "temperature", "ema_alpha", "sup_scale", "dist_scale",
                                                "carry_optimizer", "max_grad_norm", "augment", "strong", "scaling",
-                                               "distance", "pretrain_epochs"))
+                                               "distance", "pretrain_epochs", "subsets", "subset_size")
+                     if k in s)  # cells older than RSCFed's reference have no subsets
     left = "; ".join(f"{k}: {v}" for k, v in semisup.LEFT_OUT.items())
     return (f"Both sides train with the reference's settings (`benchmarks/reference/semisup.py` `CHECK`, taken from "
             f"RSCFed's released code, whose values and sources are its `RSCFED`): {used}. The project's row is given "
@@ -867,11 +871,11 @@ def main(argv=None) -> None:
                          "(e.g. the rows of bench_cxr); without --rows: what the batching saves")
     ap.add_argument("--rows", help="comma-separated project rows checked against the method references "
                                    f"(benchmarks/reference/semisup.py, surgical.py, fedmlp.py, partial_fedavg.py, fedpsl.py, "
-                                   "fedprox.py, fedmix.py): "
+                                   "fedprox.py, fedfixmatch.py, fedmix.py): "
                                    f"{', '.join(METHOD_ROWS)}; "
                                    f"each split runs the project with training seeds s and s + {SEED_OFFSET} and the "
                                    "reference once, with the reference's settings (semisup.CHECK, surgical.CHECK, "
-                                   "fedmlp.CHECK, partial_fedavg.CHECK, fedpsl.CHECK, fedprox.CHECK, fedmix.CHECK)")
+                                   "fedmlp.CHECK, partial_fedavg.CHECK, fedpsl.CHECK, fedprox.CHECK, fedfixmatch.CHECK, fedmix.CHECK)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="with --rows: a reference setting instead of its CHECK value (a JSON value, e.g. beta=3, "
                          "carry_optimizer=false); both sides train with it")
@@ -964,7 +968,7 @@ def main_methods(args, config: dict | None = None) -> None:
     wrong = [r for r in rows if ROW_KIND.get(r, "classification") != kind]
     if wrong:
         raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl, fedavg, "
-                         "fedavg_pl, fedprox: a "
+                         "fedavg_pl, fedprox, fedfixmatch: a "
                          "multi-label preset; fedmix: a segmentation preset; the others: a classification preset)")
     settings = _settings(args.set, rows)
     out = Path(args.out)

@@ -326,6 +326,24 @@ def test_the_fedprox_row_gets_the_references_settings_as_options_the_method_take
     assert "fedprox:mu=0.01" in got["opts"]
 
 
+def test_the_fedfixmatch_row_gets_the_references_settings_as_options_the_method_takes():
+    import reference_check as rc
+    from fedlabels.methods import get
+    from reference import fedfixmatch
+
+    got = rc.project_settings("fedmlp_blood", "fedfixmatch", dict(fedfixmatch.CHECK))
+    opts = dict(o.split(":", 1)[1].split("=", 1) for o in got["opts"])
+    assert float(opts["confidence"]) == 0.8 and float(opts["lambda_u"]) == 1.0 and float(opts["lr"]) == 3e-5
+    assert float(opts["weight_decay"]) == 5e-4 and opts["reset_optimizer"] == "true" and opts["pos_weighted"] == "false"
+    assert (got["batch_size"], got["local_epochs"]) == (32, 1)
+    method = get("fedfixmatch")  # every option is one the method takes
+    assert set(opts) <= set(method.client_option_names()) | set(method.server_option_names())
+    changed = rc._settings(["confidence=0.9", "pos_weight=\"neg_over_pos\""], ["fedfixmatch"])
+    opts = dict(o.split(":", 1)[1].split("=", 1) for o in
+                rc.project_settings("fedmlp_blood", "fedfixmatch", {**fedfixmatch.CHECK, **changed})["opts"])
+    assert float(opts["confidence"]) == 0.9 and opts["pos_weighted"] == "true"
+
+
 def test_the_surgical_row_gets_the_references_settings_as_options_the_method_takes():
     import reference_check as rc
     from fedlabels.methods import get
