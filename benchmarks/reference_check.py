@@ -18,7 +18,8 @@ Per split s (one prepared split each; ``{seed}`` in ``--data``) and row, the pro
 (``fedlabels bench``'s in-process round engine, training seeds s and s + ``SEED_OFFSET``) and its reference
 once: ``benchmarks/reference/semisup.py`` with ``semisup.CHECK`` (RSCFed's released values where the project
 can express them); ``surgical.py``, ``fedmlp.py``, ``partial_fedavg.py`` (FedMLP's FedAvg and FedAvg-PL),
-``fedpsl.py``, ``fedprox.py`` (FedPSL's FedProx), ``fedfixmatch.py`` (FedMLP's FedFixMatch) and ``fedmix.py`` with their ``CHECK`` (the paper's values, the
+``fedpsl.py``, ``fedprox.py`` (FedPSL's FedProx), ``fedfixmatch.py`` and ``fednoro.py`` (FedMLP's FedFixMatch
+and FedNoRo) and ``fedmix.py`` with their ``CHECK`` (the paper's values, the
 released code's or a stated choice where the paper prints none, each source in the module's ``PAPER``); both
 sides train with them
 (``project_settings`` turns them into the row's options and stops on any it cannot; ``--set KEY=VALUE``
@@ -316,11 +317,13 @@ METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False),
                "surgical": ("surgical", False), "fedmlp": ("fedmlp", False),
                "fedpsl": ("fedpsl", False), "fedavg": ("fedavg", False), "fedavg_pl": ("fedavg_pl", False),
                "fedprox": ("fedprox", False), "fedfixmatch": ("fedfixmatch", False),
+               "fednoro": ("fednoro", False),
                "mt_wfedavg": ("mt_wfedavg", False), "rscfed": ("rscfed", False), "fedmix": ("fedmix", False),
                "oracle:fedadaptagg": ("fedadaptagg", True)}
 # the kind of preset each row's reference trains (the others: classification)
 ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multilabel", "fedavg": "multilabel",
-            "fedavg_pl": "multilabel", "fedprox": "multilabel", "fedfixmatch": "multilabel", "fedmix": "segmentation",
+            "fedavg_pl": "multilabel", "fedprox": "multilabel", "fedfixmatch": "multilabel", "fednoro": "multilabel",
+            "fedmix": "segmentation",
             "oracle:fedadaptagg": "segmentation"}
 SEED_OFFSET = 1000  # the project's second training seed on split s is s + SEED_OFFSET
 # The project's strong view is its weak view further transformed (fedlabels.site.TwoViews); a second random
@@ -342,7 +345,7 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         return fedmlp_settings(preset, s)
     if row == "fedpsl":
         return fedpsl_settings(preset, s)
-    if row in ("fedavg", "fedavg_pl", "fedprox", "fedfixmatch"):
+    if row in ("fedavg", "fedavg_pl", "fedprox", "fedfixmatch", "fednoro"):
         return partial_fedavg_settings(preset, row, s)
     if ROW_KIND.get(row) == "segmentation":
         return fedmix_settings(preset, row, s)
@@ -420,9 +423,10 @@ def fedpsl_settings(preset: str, s: dict) -> dict:
 
 def partial_fedavg_settings(preset: str, row: str, s: dict) -> dict:
     """The project's ``fedavg`` (missing labels as negatives), ``fedavg_pl`` (partial loss), ``fedprox``
-    (partial loss and the proximal term) or ``fedfixmatch`` (partial loss and FixMatch on the missing classes) row
-    with the reference's settings ``s`` (partial_fedavg.CHECK and fedfixmatch.CHECK: FedMLP's paper, its released
-    code where it prints none; fedprox.CHECK: FedPSL's paper)."""
+    (partial loss and the proximal term), ``fedfixmatch`` (partial loss and FixMatch on the missing classes) or
+    ``fednoro`` (partial loss and distillation to the received model on them) row with the reference's settings
+    ``s`` (partial_fedavg, fedfixmatch and fednoro CHECK: FedMLP's paper, its released code where it prints none;
+    fedprox.CHECK: FedPSL's paper)."""
     if REFERENCES[preset][0] != "multilabel":
         raise ValueError(f"{row}: a multi-label preset, not {preset!r}")
     if s["pos_weight"] not in ("none", "neg_over_pos"):
@@ -434,6 +438,8 @@ def partial_fedavg_settings(preset: str, row: str, s: dict) -> dict:
         client["mu"] = s["mu"]
     if row == "fedfixmatch":
         client |= {"confidence": s["confidence"], "lambda_u": s["lambda_u"]}
+    if row == "fednoro":
+        client |= {key: s[key] for key in ("kd_weight", "temperature", "rampup_begin", "rampup_end")}
     server = {"weighted": True}  # FedAvg by case counts
     opts = [f"{row}:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
@@ -459,11 +465,12 @@ def fedmix_settings(preset: str, row: str, s: dict) -> dict:
 
 def method_reference(row: str):
     """The module of ``benchmarks/reference/`` that implements ``row``'s method."""
-    from reference import fedfixmatch, fedmix, fedmlp, fedprox, fedpsl, partial_fedavg, semisup, surgical
+    from reference import fedfixmatch, fedmix, fedmlp, fednoro, fedprox, fedpsl, partial_fedavg, semisup, surgical
 
     return {"surgical": surgical, "fedmlp": fedmlp, "fedpsl": fedpsl, "fedmix": fedmix,
             "oracle:fedadaptagg": fedmix, "fedavg": partial_fedavg, "fedavg_pl": partial_fedavg,
-            "fedprox": fedprox, "fedfixmatch": fedfixmatch}.get(row, semisup)  # semisup: IsoFed, MT+wFedAvg and wFedAvg
+            "fedprox": fedprox, "fedfixmatch": fedfixmatch,
+            "fednoro": fednoro}.get(row, semisup)  # semisup: IsoFed, MT+wFedAvg, RSCFed and wFedAvg
 
 
 def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
@@ -673,7 +680,7 @@ def _settings_text(s: dict, row: str) -> str:
                 + f". The project's row is given the settings as options (`project_options` in each cell). Not the "
                 f"paper's, and what runs instead: {left}.")
 
-    if row in ("fedmlp", "fedpsl", "fedavg", "fedavg_pl", "fedprox", "fedfixmatch"):
+    if row in ("fedmlp", "fedpsl", "fedavg", "fedavg_pl", "fedprox", "fedfixmatch", "fednoro"):
         used = ", ".join(f"{k} {v}" for k, v in s.items())
         ref = method_reference(row)
         name = ref.__name__.rsplit(".", 1)[-1]
@@ -871,11 +878,12 @@ def main(argv=None) -> None:
                          "(e.g. the rows of bench_cxr); without --rows: what the batching saves")
     ap.add_argument("--rows", help="comma-separated project rows checked against the method references "
                                    f"(benchmarks/reference/semisup.py, surgical.py, fedmlp.py, partial_fedavg.py, fedpsl.py, "
-                                   "fedprox.py, fedfixmatch.py, fedmix.py): "
+                                   "fedprox.py, fedfixmatch.py, fednoro.py, fedmix.py): "
                                    f"{', '.join(METHOD_ROWS)}; "
                                    f"each split runs the project with training seeds s and s + {SEED_OFFSET} and the "
                                    "reference once, with the reference's settings (semisup.CHECK, surgical.CHECK, "
-                                   "fedmlp.CHECK, partial_fedavg.CHECK, fedpsl.CHECK, fedprox.CHECK, fedfixmatch.CHECK, fedmix.CHECK)")
+                                   "fedmlp.CHECK, partial_fedavg.CHECK, fedpsl.CHECK, fedprox.CHECK, fedfixmatch.CHECK, "
+                                   "fednoro.CHECK, fedmix.CHECK)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="with --rows: a reference setting instead of its CHECK value (a JSON value, e.g. beta=3, "
                          "carry_optimizer=false); both sides train with it")
@@ -968,7 +976,7 @@ def main_methods(args, config: dict | None = None) -> None:
     wrong = [r for r in rows if ROW_KIND.get(r, "classification") != kind]
     if wrong:
         raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl, fedavg, "
-                         "fedavg_pl, fedprox, fedfixmatch: a "
+                         "fedavg_pl, fedprox, fedfixmatch, fednoro: a "
                          "multi-label preset; fedmix: a segmentation preset; the others: a classification preset)")
     settings = _settings(args.set, rows)
     out = Path(args.out)

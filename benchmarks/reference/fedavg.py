@@ -7,6 +7,9 @@ Each round every site starts from the global model with a fresh Adam (or, with
 with ``mu`` > 0 FedProx's (mu/2)||w - w_global||^2 over the parameters is
 added to it), and the server averages every tensor of the site models by the
 sites' case counts. The test metric is computed at each round in ``eval_rounds``.
+``start(net, k, rnd)`` (optional) is called once a site has received the global
+model, before it trains (rounds count from 1): a rule that needs the received
+model or the round keeps them there.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 def run(make_net, sites, loss, evaluate, rounds: int, eval_rounds, gen: torch.Generator, lr: float,
         batch_size: int, epochs: int = 1, weight_decay: float = 0.0, log=print, tag: str = "",
-        carry_optimizer: bool = False, mu: float = 0.0) -> dict:
+        carry_optimizer: bool = False, mu: float = 0.0, start=None) -> dict:
     """``sites``: [(images, targets)]; returns the metric per eval round and the seconds of every round."""
     global_net = make_net()
     share = torch.tensor([len(y) for _, y in sites], dtype=torch.float64)
@@ -37,6 +40,8 @@ def run(make_net, sites, loss, evaluate, rounds: int, eval_rounds, gen: torch.Ge
                 kept[k] = (net, torch.optim.Adam(net.parameters(), lr=lr, weight_decay=weight_decay))
             net, opt = kept[k]
             net.load_state_dict(global_net.state_dict())
+            if start is not None:
+                start(net, k, rnd)
             anchor = [p.detach().clone() for p in net.parameters()] if mu > 0 else None
             net.train()
             for _ in range(epochs):

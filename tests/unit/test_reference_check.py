@@ -344,6 +344,24 @@ def test_the_fedfixmatch_row_gets_the_references_settings_as_options_the_method_
     assert float(opts["confidence"]) == 0.9 and opts["pos_weighted"] == "true"
 
 
+def test_the_fednoro_row_gets_the_references_settings_as_options_the_method_takes():
+    import reference_check as rc
+    from fedlabels.methods import get
+    from reference import fednoro
+
+    got = rc.project_settings("fedmlp_blood", "fednoro", dict(fednoro.CHECK))
+    opts = dict(o.split(":", 1)[1].split("=", 1) for o in got["opts"])
+    assert (float(opts["kd_weight"]), float(opts["temperature"])) == (0.8, 0.8)
+    assert (int(opts["rampup_begin"]), int(opts["rampup_end"])) == (10, 499) and opts["reset_optimizer"] == "true"
+    method = get("fednoro")
+    assert set(opts) <= set(method.client_option_names()) | set(method.server_option_names())
+    # the published row's ramp over its 30 rounds reaches both sides
+    changed = rc._settings(["rampup_begin=0", "rampup_end=29"], ["fednoro"])
+    opts = dict(o.split(":", 1)[1].split("=", 1) for o in
+                rc.project_settings("fedmlp_blood", "fednoro", {**fednoro.CHECK, **changed})["opts"])
+    assert (int(opts["rampup_begin"]), int(opts["rampup_end"])) == (0, 29)
+
+
 def test_the_surgical_row_gets_the_references_settings_as_options_the_method_takes():
     import reference_check as rc
     from fedlabels.methods import get

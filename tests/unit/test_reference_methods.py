@@ -1005,3 +1005,74 @@ def test_project_fedfixmatch_federation_equals_the_reference_over_two_rounds(pos
     # the selection matters at this tolerance: keeping every case (confidence 0.5) gives another model
     other = reference(0.5)[-1]
     assert max(float(np.abs(project[-1][k] - other[k].numpy()).max()) for k in other) > 1e-3
+
+
+# ---------------------------------------------------------------- FedNoRo (benchmarks/reference/fednoro.py)
+
+
+def test_fednoro_reference_rules_by_hand():
+    from reference import fednoro as rn
+
+    # the released sigmoid_rampup times a: exp(-5) before begin, exp(-5/4) half way, 1 from end on
+    assert rn.ramp_weight(0, 0.8, 10, 20) == pytest.approx(0.8 * math.exp(-5))
+    assert rn.ramp_weight(15, 0.8, 10, 20) == pytest.approx(0.8 * math.exp(-1.25))
+    assert rn.ramp_weight(25, 0.8, 10, 20) == pytest.approx(0.8)
+    with pytest.raises(ValueError, match="rampup_end"):
+        rn.ramp_weight(0, 0.8, 5, 5)
+    # two cases, class a annotated, b missing; logits 0 (p = 0.5); the teacher's logit 0.8 ln 3 at T = 0.8 gives
+    # p = 0.75: the missing entries differ by 0.25, squared 1/16; the annotated ones cost log 2
+    y = torch.tensor([[1.0, -1.0], [0.0, -1.0]])
+    teacher = torch.full((2, 2), 0.8 * math.log(3))
+    got = rn.loss_fn(torch.zeros(2, 2), teacher, y, None, 0.25, 0.8)
+    assert float(got) == pytest.approx(0.75 * math.log(2) + 0.25 / 16)
+    # nothing missing: the BCE's share alone
+    assert float(rn.loss_fn(torch.zeros(2, 2), teacher, torch.zeros(2, 2), None, 0.25, 0.8)) == \
+        pytest.approx(0.75 * math.log(2))
+
+
+@pytest.mark.parametrize("pos_weight", ["none", "neg_over_pos"])
+def test_project_fednoro_federation_equals_the_reference_over_three_rounds(pos_weight):
+    """FedNoRo, two sites of different sizes (site-1: 8 cases labeled for a and b; site-2: 6 cases labeled for b
+    and c), the ramp over rounds 0-2 (w = 0.8 e^-5, 0.8 e^-1.25, 0.8), one batch holding every case, no
+    augmentation, Adam fresh each round, two epochs: the project's clients and server against the reference's
+    rule in the shared FedAvg rounds, the global model after each round."""
+    from fedlabels.methods.base import to_numpy
+    from reference import fedavg as rfa
+    from reference import fednoro as rn
+    from reference import partial_fedavg as rf
+
+    def edit(site, y, annotated):  # every annotated class has a positive and a negative
+        y[0, annotated], y[1, annotated] = 1.0, 0.0
+
+    opts = {"kd_weight": 0.8, "temperature": 0.8, "rampup_begin": 0, "rampup_end": 2}
+    data, clients, server, _ = _two_site_federation("fednoro", 8, edit, optimizer="adam", lr=0.01, epochs=2,
+                                                    reset_optimizer=True, pos_weighted=pos_weight == "neg_over_pos",
+                                                    **opts)
+    start = to_numpy(_TinyResNet().state_dict())
+    weights, project = start, []
+    for rnd in range(3):
+        updates = [c.train(weights, rnd) for c in clients.values()]
+        assert all(u.metrics["kd_weight"] == pytest.approx(rn.ramp_weight(rnd, 0.8, 0, 2)) for u in updates)
+        weights = server.aggregate(updates, weights, rnd)
+        project.append(weights)
+
+    def reference(temperature):
+        def make_net():
+            net = _TinyResNet()
+            net.load_state_dict({k: torch.as_tensor(v) for k, v in start.items()})
+            return net
+
+        begin, loss = rn.rule([rf.class_weights(y, pos_weight) for _, y in data.values()], 0.8, temperature, 0, 2,
+                              lambda x: x)
+        seen = []
+        rfa.run(make_net, list(data.values()), loss,
+                lambda net: seen.append({k: v.clone() for k, v in net.state_dict().items()}) or {}, 3, {1, 2, 3},
+                torch.Generator().manual_seed(0), 0.01, batch_size=8, epochs=2, log=lambda m: None, start=begin)
+        return seen
+
+    for rnd, (want, got) in enumerate(zip(project, reference(0.8))):
+        for k, v in got.items():
+            np.testing.assert_allclose(want[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"round {rnd} {k}")
+    # the distillation matters at this tolerance: the teacher without its temperature gives another model
+    other = reference(1.0)[-1]
+    assert max(float(np.abs(project[-1][k] - other[k].numpy()).max()) for k in other) > 1e-3
