@@ -2,8 +2,9 @@
 plain PyTorch: no fedlabels, no MONAI.
 
 The paper names the baseline only; what runs is the authors' released code (github.com/szbonaldo/FedMLP,
-``main.py`` and ``utils/local_training.py`` ``train_FedNoRo``, ``utils/FedNoRo.py`` ``LA_KD``): FedNoRo's
-(Wu et al., IJCAI 2023) first stage for every round (``--rounds_FedNoRo_warmup`` 500 = every round):
+``main.py`` and ``utils/local_training.py`` ``train_FedNoRo``, ``utils/FedNoRo.py`` ``LA_KD``): the distillation
+loss of FedNoRo's (Wu et al., IJCAI 2023) second stage, every site treated as noisy, which the released code runs
+in every round (the branch ``rnd < --rounds_FedNoRo_warmup``, 500, covers all its rounds):
 
 * the teacher is the received global model, frozen, in inference mode;
 * a site's loss on a batch is (1 - w) x the BCE over the entries it annotates (averaged over them) + w x the mean
@@ -39,8 +40,8 @@ PAPER = {**{key: partial_fedavg.PAPER[key] for key in ("lr", "batch_size", "epoc
          "rampup_end": (499, f"{_OPTIONS} --end default 499 (of its 500 rounds)")}
 CHECK = {key: value for key, (value, _) in PAPER.items() if key != "rounds"}
 LEFT_OUT = {**fedmlp.LEFT_OUT,
-            "stage_2": "FedNoRo's second stage (noisy-site detection, distance-aware aggregation) is not run, as in "
-                       "the released code's comparison (its warm-up stage lasts all 500 rounds)"}
+            "detection": "FedNoRo's noisy-site detection and distance-aware aggregation are not run, as in the "
+                         "released code's comparison (plain FedAvg every round)"}
 del LEFT_OUT["views"]  # one view
 
 
