@@ -315,13 +315,15 @@ def verdict(a: dict, b: dict) -> str:
 # that implements each is method_reference's
 METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False), "isofed_nopt": ("isofed_nopt", False),
                "surgical": ("surgical", False), "fedmlp": ("fedmlp", False),
-               "fedpsl": ("fedpsl", False), "fedavg": ("fedavg", False), "fedavg_pl": ("fedavg_pl", False),
+               "fedpsl": ("fedpsl", False), "fedpsl_tdma": ("fedpsl", False), "fedpsl_tadl": ("fedpsl", False),
+               "fedavg": ("fedavg", False), "fedavg_pl": ("fedavg_pl", False),
                "fedprox": ("fedprox", False), "fedfixmatch": ("fedfixmatch", False),
                "fednoro": ("fednoro", False),
                "mt_wfedavg": ("mt_wfedavg", False), "rscfed": ("rscfed", False), "fedmix": ("fedmix", False),
                "oracle:fedadaptagg": ("fedadaptagg", True)}
 # the kind of preset each row's reference trains (the others: classification)
-ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multilabel", "fedavg": "multilabel",
+ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multilabel", "fedpsl_tdma": "multilabel",
+            "fedpsl_tadl": "multilabel", "fedavg": "multilabel",
             "fedavg_pl": "multilabel", "fedprox": "multilabel", "fedfixmatch": "multilabel", "fednoro": "multilabel",
             "fedmix": "segmentation",
             "oracle:fedadaptagg": "segmentation"}
@@ -343,8 +345,8 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         return surgical_settings(preset, s)
     if row == "fedmlp":
         return fedmlp_settings(preset, s)
-    if row == "fedpsl":
-        return fedpsl_settings(preset, s)
+    if row in FEDPSL_ABLATIONS:
+        return fedpsl_settings(preset, s, row)
     if row in ("fedavg", "fedavg_pl", "fedprox", "fedfixmatch", "fednoro"):
         return partial_fedavg_settings(preset, row, s)
     if ROW_KIND.get(row) == "segmentation":
@@ -410,14 +412,23 @@ def fedmlp_settings(preset: str, s: dict) -> dict:
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
 
 
-def fedpsl_settings(preset: str, s: dict) -> dict:
-    """The project's ``fedpsl`` row with the reference's settings ``s`` (fedpsl.CHECK: the paper's, the reference's
-    where the paper prints none). Inner and meta learning rates are both the paper's alpha = beta."""
+# FedPSL and its ablation rows -> the reference's (local rule, aggregation)
+FEDPSL_ABLATIONS = {"fedpsl": ("tadl", "tdma"), "fedpsl_tdma": ("plain", "tdma"), "fedpsl_tadl": ("tadl", "fedavg")}
+
+
+def fedpsl_settings(preset: str, s: dict, row: str = "fedpsl") -> dict:
+    """The project's ``fedpsl`` row (or an ablation: ``fedpsl_tdma``, ``fedpsl_tadl``) with the reference's
+    settings ``s`` (fedpsl.CHECK: the paper's, the reference's where the paper prints none). Inner and meta
+    learning rates are both the paper's alpha = beta."""
     if REFERENCES[preset][0] != "multilabel":
-        raise ValueError(f"fedpsl: a multi-label preset, not {preset!r}")
+        raise ValueError(f"{row}: a multi-label preset, not {preset!r}")
     client = {"optimizer": "adam", "lr": s["lr"], "weight_decay": 0.0, "reset_optimizer": not s["carry_optimizer"],
-              "first_order": not s["second_order"], "pos_weighted": True}
-    opts = [f"fedpsl:{k}={json.dumps(v)}" for k, v in client.items()]
+              "pos_weighted": True}
+    if FEDPSL_ABLATIONS[row][0] == "tadl":
+        client["first_order"] = not s["second_order"]
+    if FEDPSL_ABLATIONS[row][1] == "fedavg":
+        client["weighted"] = True  # the server's FedAvg by n_k
+    opts = [f"{row}:{k}={json.dumps(v)}" for k, v in client.items()]
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
 
 
@@ -467,7 +478,8 @@ def method_reference(row: str):
     """The module of ``benchmarks/reference/`` that implements ``row``'s method."""
     from reference import fedfixmatch, fedmix, fedmlp, fednoro, fedprox, fedpsl, partial_fedavg, semisup, surgical
 
-    return {"surgical": surgical, "fedmlp": fedmlp, "fedpsl": fedpsl, "fedmix": fedmix,
+    return {"surgical": surgical, "fedmlp": fedmlp, "fedpsl": fedpsl, "fedpsl_tdma": fedpsl, "fedpsl_tadl": fedpsl,
+            "fedmix": fedmix,
             "oracle:fedadaptagg": fedmix, "fedavg": partial_fedavg, "fedavg_pl": partial_fedavg,
             "fedprox": fedprox, "fedfixmatch": fedfixmatch,
             "fednoro": fednoro}.get(row, semisup)  # semisup: IsoFed, MT+wFedAvg, RSCFed and wFedAvg
@@ -500,7 +512,8 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
         raise ValueError("--widen: only the ResNet-18 of the multi-label references has a width option")
     if multilabel:
         bundle = reference_settings(preset)
-        extra = {"partial": row == "fedavg_pl"} if reference is partial_fedavg else {}
+        extra = ({"partial": row == "fedavg_pl"} if reference is partial_fedavg else
+                 dict(zip(("local", "aggregation"), FEDPSL_ABLATIONS[row])) if row in FEDPSL_ABLATIONS else {})
         ref = reference.run(data, rounds, set(eval_rounds), seed=split, log=log, scaling=bundle["scaling"],
                             widen=widen or bundle.get("widen", 1.0), **extra, **s)
     elif reference is fedmix:
@@ -680,12 +693,12 @@ def _settings_text(s: dict, row: str) -> str:
                 + f". The project's row is given the settings as options (`project_options` in each cell). Not the "
                 f"paper's, and what runs instead: {left}.")
 
-    if row in ("fedmlp", "fedpsl", "fedavg", "fedavg_pl", "fedprox", "fedfixmatch", "fednoro"):
+    if row in ("fedmlp", "fedavg", "fedavg_pl", "fedprox", "fedfixmatch", "fednoro", *FEDPSL_ABLATIONS):
         used = ", ".join(f"{k} {v}" for k, v in s.items())
         ref = method_reference(row)
         name = ref.__name__.rsplit(".", 1)[-1]
         left = "; ".join(f"{k}: {v}" for k, v in ref.LEFT_OUT.items())
-        where = ("a stated choice (FedPSL has no released code)" if row in ("fedpsl", "fedprox")
+        where = ("a stated choice (FedPSL has no released code)" if row in ("fedprox", *FEDPSL_ABLATIONS)
                  else "the released code's")
         changed = [k for k in s if k in ref.CHECK and s[k] != ref.CHECK[k]]
         return (f"Both sides train with the reference's settings (`benchmarks/reference/{name}.py` `CHECK`, the "
@@ -975,8 +988,8 @@ def main_methods(args, config: dict | None = None) -> None:
         raise SystemExit(f"--rows {unknown}: the method references cover {sorted(METHOD_ROWS)}")
     wrong = [r for r in rows if ROW_KIND.get(r, "classification") != kind]
     if wrong:
-        raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl, fedavg, "
-                         "fedavg_pl, fedprox, fedfixmatch, fednoro: a "
+        raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl and its "
+                         "ablations, fedavg, fedavg_pl, fedprox, fedfixmatch, fednoro: a "
                          "multi-label preset; fedmix: a segmentation preset; the others: a classification preset)")
     settings = _settings(args.set, rows)
     out = Path(args.out)

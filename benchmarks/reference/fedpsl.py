@@ -111,11 +111,49 @@ def tdma(states: list, sizes: list, labeled: list, global_state: dict, head: str
     return out
 
 
+def fedavg(states: list, sizes: list) -> dict:
+    """Every tensor's mean weighted by n_k (the ablation without TDMA)."""
+    w = torch.tensor(sizes, dtype=torch.float64)
+    out = {}
+    for key, first in states[0].items():
+        new = torch.tensordot(w / w.sum(), torch.stack([s[key].double() for s in states]), dims=1)
+        out[key] = new.round().to(first.dtype) if not first.dtype.is_floating_point else new.to(first.dtype)
+    return out
+
+
+def make_optimizers(net, local: str, lr: float):
+    """TADL: Adam on theta and Adam on phi (alpha = beta); plain: one Adam on the whole network."""
+    if local == "tadl":
+        theta, phi = split(net)
+        return torch.optim.Adam(theta.values(), lr=lr), torch.optim.Adam(phi.values(), lr=lr)
+    return (torch.optim.Adam(net.parameters(), lr=lr),)
+
+
+def train_site(net, opts, x, y, weight, epochs: int, batches, augment, local: str, lr: float,
+               second_order: bool) -> None:
+    """``epochs`` passes over the site's batches: a TADL step each, or (``local="plain"``) one Adam step of
+    ``loss_fn``."""
+    net.train()
+    for _ in range(epochs):
+        for idx in batches(len(y)):
+            if local == "tadl":
+                tadl_step(net, *opts, augment(x[idx]), y[idx], weight, lr, second_order)
+            else:
+                loss = loss_fn(net(augment(x[idx])), y[idx], weight)
+                opts[0].zero_grad()
+                loss.backward()
+                opts[0].step()
+
+
 def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 1e-3, epochs: int = 10, batch_size: int = 16,
         carry_optimizer: bool = False, second_order: bool = True, widen: float = 0.25, scaling: str = "fixed",
-        log=print) -> dict:
+        local: str = "tadl", aggregation: str = "tdma", log=print) -> dict:
     """FedPSL over a prepared partial-label scenario (label -1: not labeled). Augmentation: the bundle's affine and
-    contrast change. Test metric: the mean one-vs-rest AUROC of the global model on the pooled test split."""
+    contrast change. Test metric: the mean one-vs-rest AUROC of the global model on the pooled test split.
+    The paper's ablations: ``local="plain"`` trains each batch by one Adam step of the whole network on
+    ``loss_fn`` ("w/ TDMA"); ``aggregation="fedavg"`` averages every tensor by n_k ("w/ TADL")."""
+    if local not in ("tadl", "plain") or aggregation not in ("tdma", "fedavg"):
+        raise ValueError(f"local {local!r} ('tadl' or 'plain'), aggregation {aggregation!r} ('tdma' or 'fedavg')")
     from .fedavg_multilabel import ResNet18, augment, batcher, load_scenario, macro_auroc
 
     classes, sites, test = load_scenario(Path(data), scaling)
@@ -125,7 +163,7 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 1e-3, epochs:
     weights = [pos_weight(y) for _, y in sites]
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    batches = batcher(gen, batch_size, smallest=4)  # each half needs two cases for batch norm
+    batches = batcher(gen, batch_size, smallest=4 if local == "tadl" else 2)  # a TADL half needs two cases
 
     global_net = ResNet18(1, n_classes, widen)
     nets = [ResNet18(1, n_classes, widen) for _ in sites]
@@ -137,16 +175,14 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 1e-3, epochs:
         for k, ((x, y), net) in enumerate(zip(sites, nets)):
             net.load_state_dict(global_net.state_dict())
             if opts[k] is None or not carry_optimizer:
-                theta, phi = split(net)
-                opts[k] = (torch.optim.Adam(theta.values(), lr=lr), torch.optim.Adam(phi.values(), lr=lr))
-            net.train()
-            for _ in range(epochs):
-                for idx in batches(len(y)):
-                    tadl_step(net, *opts[k], augment(x[idx], gen), y[idx], weights[k], lr, second_order)
+                opts[k] = make_optimizers(net, local, lr)
+            train_site(net, opts[k], x, y, weights[k], epochs, batches, lambda v: augment(v, gen), local, lr,
+                       second_order)
             states.append({key: v.detach().clone() for key, v in net.state_dict().items()})
-        global_net.load_state_dict(tdma(states, sizes, labeled, global_net.state_dict()))
+        global_net.load_state_dict(tdma(states, sizes, labeled, global_net.state_dict())
+                                   if aggregation == "tdma" else fedavg(states, sizes))
         seconds.append(time.perf_counter() - t0)
         if rnd in eval_rounds:
             out[rnd] = {"auroc": macro_auroc(global_net, *test)}
-            log(f"[reference] fedpsl seed {seed} round {rnd}: {out[rnd]}")
+            log(f"[reference] fedpsl ({local}, {aggregation}) seed {seed} round {rnd}: {out[rnd]}")
     return {"metrics": out, "seconds_per_round": float(np.mean(seconds)), "seconds": seconds}

@@ -282,6 +282,15 @@ def test_the_fedpsl_row_gets_the_references_settings_as_options_the_method_takes
     opts = rc.project_settings("fedmlp_blood", "fedpsl", {**fedpsl.CHECK, **rc._settings(["second_order=false"],
                                                                                        ["fedpsl"])})["opts"]
     assert "fedpsl:first_order=true" in opts
+    # the ablations: "w/ TDMA" trains without TADL (no meta-gradient option), "w/ TADL" aggregates by FedAvg
+    tdma = rc.project_settings("fedmlp_blood", "fedpsl_tdma", dict(fedpsl.CHECK))["opts"]
+    tadl = rc.project_settings("fedmlp_blood", "fedpsl_tadl", dict(fedpsl.CHECK))["opts"]
+    assert all(o.startswith("fedpsl_tdma:") for o in tdma) and not any("first_order" in o for o in tdma)
+    assert "fedpsl_tadl:first_order=false" in tadl and "fedpsl_tadl:weighted=true" in tadl
+    for row, got in (("fedpsl_tdma", tdma), ("fedpsl_tadl", tadl)):
+        names = {o.split(":", 1)[1].split("=", 1)[0] for o in got}
+        assert names <= get(row).client_option_names() | get(row).server_option_names()
+    assert rc.FEDPSL_ABLATIONS["fedpsl_tdma"] == ("plain", "tdma") and rc.method_reference("fedpsl_tadl") is fedpsl
 
 
 @pytest.mark.parametrize("row", ["fedavg", "fedavg_pl"])

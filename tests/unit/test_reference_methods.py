@@ -729,11 +729,14 @@ def _two_site_federation(name, seed, edit=None, **options):
     return data, clients, server, sizes
 
 
-def test_project_fedpsl_federation_equals_the_reference_over_two_rounds():
-    """FedPSL, two sites of different sizes (site-1: 8 cases labeled for a and b; site-2: 6 cases labeled for b
-    and c), Adam fresh each round: TADL on each site's one batch (halves of 4 and 3 cases, batch norm in training
-    mode, the meta-gradient through theta'), then TDMA. The project's clients and server against the
-    reference's steps and rule, weights compared after each site and each round."""
+@pytest.mark.parametrize("row,local,aggregation", [("fedpsl", "tadl", "tdma"), ("fedpsl_tdma", "plain", "tdma"),
+                                                   ("fedpsl_tadl", "tadl", "fedavg")])
+def test_project_fedpsl_federation_equals_the_reference_over_two_rounds(row, local, aggregation):
+    """FedPSL and its two ablations, two sites of different sizes (site-1: 8 cases labeled for a and b; site-2: 6
+    cases labeled for b and c), Adam fresh each round: TADL on each site's one batch (halves of 4 and 3 cases,
+    batch norm in training mode, the meta-gradient through theta') or a plain Adam step ("w/ TDMA"), then TDMA or
+    FedAvg by n_k ("w/ TADL"). The project's clients and server against the reference's steps and rule, weights
+    compared after each site and each round."""
     from fedlabels.methods.base import to_numpy
     from reference import fedpsl as rp
 
@@ -744,7 +747,7 @@ def test_project_fedpsl_federation_equals_the_reference_over_two_rounds():
             y[:2, 1] = -1.0  # two cases without a label for b: n_k^c 4 of 6 cases
 
     data, clients, server, sizes = _two_site_federation(
-        "fedpsl", 4, edit, optimizer="adam", lr=s["lr"], epochs=s["epochs"],
+        row, 4, edit, optimizer="adam", lr=s["lr"], epochs=s["epochs"],
         reset_optimizer=not s["carry_optimizer"], first_order=not s["second_order"])
     spec = list(clients)
     weights = to_numpy(_TinyResNet().state_dict())
@@ -753,27 +756,36 @@ def test_project_fedpsl_federation_equals_the_reference_over_two_rounds():
     rnet = _TinyResNet()
     for rnd in range(2):
         updates = [clients[site].train(weights, rnd) for site in spec]
-        states = []
+        states, start = [], {k: v.clone() for k, v in rglobal.state_dict().items()}
         for (site, (x, y)), u in zip(data.items(), updates):
-            rnet.load_state_dict(rglobal.state_dict())
-            theta, phi = rp.split(rnet)
-            opt_t, opt_p = torch.optim.Adam(theta.values(), lr=s["lr"]), torch.optim.Adam(phi.values(), lr=s["lr"])
-            rnet.train()
-            for _ in range(s["epochs"]):
-                rp.tadl_step(rnet, opt_t, opt_p, x, y, rp.pos_weight(y), s["lr"], s["second_order"])
+            rnet.load_state_dict(start)
+            rp.train_site(rnet, rp.make_optimizers(rnet, local, s["lr"]), x, y, rp.pos_weight(y), s["epochs"],
+                          lambda n: [torch.arange(n)], lambda v: v, local, s["lr"], s["second_order"])
             states.append({k: v.detach().clone() for k, v in rnet.state_dict().items()})
             for k, v in states[-1].items():
                 np.testing.assert_allclose(u.weights[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"{rnd} {site} {k}")
         weights = server.aggregate(updates, weights, rnd)
         labeled = [(y >= 0).sum(0).tolist() for _, y in data.values()]
-        rglobal.load_state_dict(rp.tdma(states, list(sizes.values()), labeled, rglobal.state_dict()))
+        rglobal.load_state_dict(rp.tdma(states, list(sizes.values()), labeled, rglobal.state_dict())
+                                if aggregation == "tdma" else rp.fedavg(states, list(sizes.values())))
         for k, v in rglobal.state_dict().items():
             np.testing.assert_allclose(weights[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"global {rnd} {k}")
-    # the rows of a class one site labels are that site's (n_k^c = 0 at the other), not the n_k-weighted mean
-    np.testing.assert_allclose(weights["fc.weight"][0], states[0]["fc.weight"][0].numpy(), atol=1e-6)
-    np.testing.assert_allclose(weights["fc.weight"][2], states[1]["fc.weight"][2].numpy(), atol=1e-6)
+    # TDMA: the rows of a class one site labels are that site's (n_k^c = 0 at the other), not the n_k-weighted
+    # mean, which is FedAvg's
     by_size = (8 * states[0]["fc.weight"][0] + 6 * states[1]["fc.weight"][0]) / 14
-    assert not np.allclose(weights["fc.weight"][0], by_size.numpy())
+    if aggregation == "tdma":
+        np.testing.assert_allclose(weights["fc.weight"][0], states[0]["fc.weight"][0].numpy(), atol=1e-6)
+        np.testing.assert_allclose(weights["fc.weight"][2], states[1]["fc.weight"][2].numpy(), atol=1e-6)
+        assert not np.allclose(weights["fc.weight"][0], by_size.numpy())
+    else:
+        np.testing.assert_allclose(weights["fc.weight"][0], by_size.numpy(), atol=1e-6)
+    # the local rules differ at this tolerance: the other rule from the last round's start gives another model
+    x, y = data["site-1"]
+    rnet.load_state_dict(start)
+    other = "plain" if local == "tadl" else "tadl"
+    rp.train_site(rnet, rp.make_optimizers(rnet, other, s["lr"]), x, y, rp.pos_weight(y), s["epochs"],
+                  lambda n: [torch.arange(n)], lambda v: v, other, s["lr"], s["second_order"])
+    assert max(float((rnet.state_dict()[k] - states[0][k]).abs().max()) for k in states[0]) > 1e-3
 
 
 def test_partial_fedavg_reference_rules_by_hand():
