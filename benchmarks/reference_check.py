@@ -740,8 +740,10 @@ def _input_text(preset: str, cs: list) -> str:
     cfg = read(presets.load(preset).bundle, "", preset=preset, class_names=["a"])
     widen = cs[0].get("widen") or reference_settings(preset).get("widen", 1.0)
     size = cs[0].get("image_size") or cfg["image_size"]
+    per_batch = bool(cfg["train"].get("batch_transforms"))
     where = ("per case in the loader (`--per-case-augmentation`, as the bundle without a preset does)"
-             if cs[0].get("project_config") else "as the preset does")
+             if cs[0].get("project_config") else
+             f"per {'batch' if per_batch else 'case'}, as the preset does")
     scaling = {"fixed": "0-255 to [-1, 1]", "minmax": "each image to [0, 1] by its own min and max"}[
         reference_settings(preset)["scaling"]]
     return (f"Network: ResNet-18 from scratch, width {widen:g}, {size} px on both sides; intensity: {scaling}, on both "
