@@ -72,6 +72,8 @@ CXR_AUGMENT = [{"_target_": "RandAffined", "keys": ["image"], "prob": 0.5, "rota
                 "scale_range": [0.1, 0.1], "translate_range": [3, 3], "padding_mode": "border"},
                {"_target_": "RandAdjustContrastd", "keys": ["image"], "prob": 0.3, "gamma": [0.8, 1.25]},
                {"_target_": "EnsureTyped", "keys": ["image", "label"], "track_meta": False}]
+# --no-augmentation: the project's loader augments nothing (a diagnostic, with partial_fedavg.run(augment=False))
+NO_AUGMENT = [{"_target_": "EnsureTyped", "keys": ["image", "label"], "track_meta": False}]
 # the same augmentation applied to each batch at once (fedlabels.bundle.augment; the cxr preset's)
 CXR_BATCH_AUGMENT = [{"_target_": "fedlabels.bundle.augment.BatchRandAffine", "prob": 0.5, "rotate_range": 0.1,
                       "scale_range": [0.1, 0.1], "translate_range": [3, 3], "padding_mode": "border"},
@@ -487,7 +489,7 @@ def method_reference(row: str):
 
 def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
                     log=print, settings: dict | None = None, image_size: int | None = None,
-                    config: dict | None = None, widen: float | None = None) -> dict:
+                    config: dict | None = None, widen: float | None = None, augment: bool = True) -> dict:
     """One split, one row: the project twice (training seeds ``split`` and ``split + SEED_OFFSET``) and the
     method reference once (seed ``split``), one after the other in this process. ``config``: bundle overrides
     of the project side beyond the row's (``--per-case-augmentation``); ``widen``: the multi-label ResNet-18's
@@ -495,6 +497,8 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
     from reference import fedmix, partial_fedavg, semisup
 
     reference = method_reference(row)
+    if not augment and reference is not partial_fedavg:
+        raise ValueError("--no-augmentation: only FedAvg's and FedAvg-PL's reference (partial_fedavg.py) has it")
     s = {**reference.CHECK, **(settings or {})}
     proj = project_settings(preset, row, s)
     proj["config"] = {**proj["config"], **(config or {})}
@@ -512,7 +516,7 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
         raise ValueError("--widen: only the ResNet-18 of the multi-label references has a width option")
     if multilabel:
         bundle = reference_settings(preset)
-        extra = ({"partial": row == "fedavg_pl"} if reference is partial_fedavg else
+        extra = ({"partial": row == "fedavg_pl", "augment": augment} if reference is partial_fedavg else
                  dict(zip(("local", "aggregation"), FEDPSL_ABLATIONS[row])) if row in FEDPSL_ABLATIONS else {})
         ref = reference.run(data, rounds, set(eval_rounds), seed=split, log=log, scaling=bundle["scaling"],
                             widen=widen or bundle.get("widen", 1.0), **extra, **s)
@@ -729,6 +733,9 @@ def _settings_text(s: dict, row: str) -> str:
             f"instead: {left}.")
 
 
+_SCALINGS = {"fixed": "0-255 to [-1, 1]", "minmax": "each image to [0, 1] by its own min and max"}
+
+
 def _input_text(preset: str, cs: list) -> str:
     """The multi-label sections' network and input (they differ between sections): the ResNet-18's width, the
     image size, the preset's intensity scaling (both sides read it) and where the project side augments."""
@@ -741,11 +748,14 @@ def _input_text(preset: str, cs: list) -> str:
     widen = cs[0].get("widen") or reference_settings(preset).get("widen", 1.0)
     size = cs[0].get("image_size") or cfg["image_size"]
     per_batch = bool(cfg["train"].get("batch_transforms"))
+    config = cs[0].get("project_config") or {}
+    if config.get("train#random_transforms") == NO_AUGMENT:
+        return (f"Network: ResNet-18 from scratch, width {widen:g}, {size} px on both sides; intensity: "
+                f"{_SCALINGS[reference_settings(preset)['scaling']]}, on both sides; neither side augments "
+                "(`--no-augmentation`, a diagnostic). ")
     where = ("per case in the loader (`--per-case-augmentation`, as the bundle without a preset does)"
-             if cs[0].get("project_config") else
-             f"per {'batch' if per_batch else 'case'}, as the preset does")
-    scaling = {"fixed": "0-255 to [-1, 1]", "minmax": "each image to [0, 1] by its own min and max"}[
-        reference_settings(preset)["scaling"]]
+             if config else f"per {'batch' if per_batch else 'case'}, as the preset does")
+    scaling = _SCALINGS[reference_settings(preset)["scaling"]]
     return (f"Network: ResNet-18 from scratch, width {widen:g}, {size} px on both sides; intensity: {scaling}, on both "
             f"sides; the project augments {where}, the reference per case. ")
 
@@ -891,6 +901,8 @@ def main(argv=None) -> None:
                     help="the project side augments each case in the loader (the chest X-ray bundles' RandAffined and "
                          "RandAdjustContrastd) instead of the preset's per-batch augmentation, as the bundle without a preset does "
                          "(e.g. the rows of bench_cxr); without --rows: what the batching saves")
+    ap.add_argument("--no-augmentation", action="store_true",
+                    help="with --rows fedavg / fedavg_pl: neither side augments (a diagnostic of where a gap comes from)")
     ap.add_argument("--rows", help="comma-separated project rows checked against the method references "
                                    f"(benchmarks/reference/semisup.py, surgical.py, fedmlp.py, partial_fedavg.py, fedpsl.py, "
                                    "fedprox.py, fedfixmatch.py, fednoro.py, fedmix.py): "
@@ -912,6 +924,10 @@ def main(argv=None) -> None:
         _write_atomic(out.parent / "reference_check.md", table(out))
         return
     config = None
+    if args.no_augmentation:
+        if not args.rows or args.per_case_augmentation:
+            ap.error("--no-augmentation: with --rows fedavg or fedavg_pl, without --per-case-augmentation")
+        config = {"train#random_transforms": NO_AUGMENT, "train#batch_transforms": []}
     if args.per_case_augmentation:
         if REFERENCES[args.preset][0] != "multilabel":
             ap.error("--per-case-augmentation: only the chest X-ray bundles augment per batch")
@@ -993,6 +1009,8 @@ def main_methods(args, config: dict | None = None) -> None:
         raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl and its "
                          "ablations, fedavg, fedavg_pl, fedprox, fedfixmatch, fednoro: a "
                          "multi-label preset; fedmix: a segmentation preset; the others: a classification preset)")
+    if args.no_augmentation and set(rows) - {"fedavg", "fedavg_pl"}:
+        raise SystemExit(f"--no-augmentation: --rows fedavg or fedavg_pl only, not {sorted(set(rows) - {'fedavg', 'fedavg_pl'})}")
     settings = _settings(args.set, rows)
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
@@ -1008,7 +1026,8 @@ def main_methods(args, config: dict | None = None) -> None:
             result = compare_methods(args.preset, row, Path(args.data.replace("{seed}", str(seed))), seed,
                                      args.rounds, eval_rounds, out / "work" / f"{args.label}-{row.replace(':', '_')}",
                                      log=lambda m: print(m, flush=True), image_size=args.image_size,
-                                     settings=settings, config=config, widen=args.widen)
+                                     settings=settings, config=config, widen=args.widen,
+                                     augment=not args.no_augmentation)
             result["label"] = args.label
             result["project_config"] = config  # settings the project side changed from the preset (None: none)
             result["load"] = (load_before, os.getloadavg()[0])

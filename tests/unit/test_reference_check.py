@@ -415,3 +415,25 @@ def test_tag_counts_sum_the_sites_tags_made_before_each_eval_round():
                {"round": 2, "sites": {"a": {"tagged_negatives": 4, "tagged_positives": 0}}}]
     assert rc.tag_counts(records, [1, 2, 3]) == {1: [0, 0], 2: [6, 5], 3: [10, 5]}
     assert rc.tag_counts([{"round": 0, "sites": {"a": {"loss": 0.3}}}], [1]) == {}  # a row that tags nothing
+
+
+def test_no_augmentation_reaches_the_fedavg_reference_and_is_refused_elsewhere(tmp_path, monkeypatch):
+    import reference_check as rc
+    from fedlabels.data.synthetic import generate
+    from reference import fedavg_multilabel, partial_fedavg
+
+    data = generate("cxr", tmp_path / "cxr", seed=0, size=16, cases=10, test_cases=30)
+
+    def refuse(x, gen):
+        raise AssertionError("augmented")
+
+    monkeypatch.setattr(fedavg_multilabel, "augment", refuse)
+    out = partial_fedavg.run(data, 1, {1}, augment=False, batch_size=8, log=lambda m: None)
+    assert 0 <= out["metrics"][1]["auroc"] <= 1
+    with pytest.raises(AssertionError, match="augmented"):
+        partial_fedavg.run(data, 1, {1}, batch_size=8, log=lambda m: None)
+    with pytest.raises(ValueError, match="no-augmentation"):  # before the project trains
+        rc.compare_methods("cxr", "surgical", data, 0, 1, [1], tmp_path / "work", augment=False)
+    with pytest.raises(SystemExit, match="no-augmentation"):
+        rc.main(["--preset", "cxr", "--rows", "fedavg_pl,fedpsl", "--no-augmentation", "--data", str(data),
+                 "--rounds", "1", "--label", "x", "--out", str(tmp_path / "out")])
