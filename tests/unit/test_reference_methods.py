@@ -1088,3 +1088,41 @@ def test_project_fednoro_federation_equals_the_reference_over_three_rounds(pos_w
     # the distillation matters at this tolerance: the teacher without its temperature gives another model
     other = reference(1.0)[-1]
     assert max(float(np.abs(project[-1][k] - other[k].numpy()).max()) for k in other) > 1e-3
+
+
+# ---------------------------------------------------------------- the multi-label references' network
+
+
+@pytest.mark.parametrize("widen", [0.25, 1.0])
+def test_reference_resnet18_is_the_bundles_network(widen):
+    """benchmarks/reference/fedavg_multilabel.ResNet18 (written without MONAI) and the chest X-ray bundles'
+    network: the same tensors in the same order, the same outputs in training and inference mode once the
+    weights are copied, and the same initial weights from the same torch seed but for the three 1x1
+    shortcut convolutions' biases, which both draw from PyTorch's default U(-1/sqrt(fan_in), 1/sqrt(fan_in)) in
+    another order."""
+    from fedlabels.nets import ResNet18Classifier
+    from reference.fedavg_multilabel import ResNet18
+
+    torch.manual_seed(3)
+    project = ResNet18Classifier(spatial_dims=2, in_channels=1, out_channels=5, widen_factor=widen)
+    torch.manual_seed(3)
+    reference = ResNet18(1, 5, widen)
+    sp, sr = project.state_dict(), reference.state_dict()
+    assert [tuple(v.shape) for v in sp.values()] == [tuple(v.shape) for v in sr.values()]
+    drawn_apart = []
+    for (kp, vp), (kr, vr) in zip(sp.items(), sr.items()):
+        if not torch.equal(vp, vr):
+            drawn_apart.append(kr)
+            fan_in = sp[kp.replace(".bias", ".weight")].shape[1]  # a 1x1 convolution: its input channels
+            assert float(vp.abs().max()) <= fan_in ** -0.5 and float(vr.abs().max()) <= fan_in ** -0.5
+    assert drawn_apart == [f"layers.{i}.short.0.bias" for i in (2, 4, 6)]
+    torch.manual_seed(4)
+    reference.load_state_dict({kr: torch.randn_like(v) if v.is_floating_point() else v
+                               for kr, v in sr.items()})
+    project.load_state_dict(dict(zip(sp, reference.state_dict().values())))
+    x = torch.randn(3, 1, 32, 32)
+    for mode in (True, False):
+        project.train(mode)
+        reference.train(mode)
+        with torch.no_grad():
+            np.testing.assert_allclose(project(x).numpy(), reference(x).numpy(), rtol=0, atol=1e-5)
