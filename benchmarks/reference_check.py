@@ -489,7 +489,8 @@ def method_reference(row: str):
 
 def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
                     log=print, settings: dict | None = None, image_size: int | None = None,
-                    config: dict | None = None, widen: float | None = None, augment: bool = True) -> dict:
+                    config: dict | None = None, widen: float | None = None, augment: bool = True,
+                    grey: str = "luma") -> dict:
     """One split, one row: the project twice (training seeds ``split`` and ``split + SEED_OFFSET``) and the
     method reference once (seed ``split``), one after the other in this process. ``config``: bundle overrides
     of the project side beyond the row's (``--per-case-augmentation``); ``widen``: the multi-label ResNet-18's
@@ -499,6 +500,8 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
     reference = method_reference(row)
     if not augment and reference is not partial_fedavg:
         raise ValueError("--no-augmentation: only FedAvg's and FedAvg-PL's reference (partial_fedavg.py) has it")
+    if grey != "luma" and reference is not partial_fedavg:
+        raise ValueError("--reference-grey: only FedAvg's and FedAvg-PL's reference (partial_fedavg.py) has it")
     s = {**reference.CHECK, **(settings or {})}
     proj = project_settings(preset, row, s)
     proj["config"] = {**proj["config"], **(config or {})}
@@ -516,7 +519,7 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
         raise ValueError("--widen: only the ResNet-18 of the multi-label references has a width option")
     if multilabel:
         bundle = reference_settings(preset)
-        extra = ({"partial": row == "fedavg_pl", "augment": augment} if reference is partial_fedavg else
+        extra = ({"partial": row == "fedavg_pl", "augment": augment, "grey": grey} if reference is partial_fedavg else
                  dict(zip(("local", "aggregation"), FEDPSL_ABLATIONS[row])) if row in FEDPSL_ABLATIONS else {})
         ref = reference.run(data, rounds, set(eval_rounds), seed=split, log=log, scaling=bundle["scaling"],
                             widen=widen or bundle.get("widen", 1.0), **extra, **s)
@@ -527,7 +530,7 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
     ref["metrics"] = {str(k): v for k, v in ref["metrics"].items()}
     return {"kind": "methods", "preset": preset, "row": row, "metric": REFERENCES[preset][1],
             "data": str(data), "seed": split, "rounds": rounds, "image_size": image_size, "widen": widen,
-            "reference": s,
+            "reference": s, "reference_grey": grey,
             "project_options": proj,
             "projects": runs, "reference_run": ref}
 
@@ -749,15 +752,19 @@ def _input_text(preset: str, cs: list) -> str:
     size = cs[0].get("image_size") or cfg["image_size"]
     per_batch = bool(cfg["train"].get("batch_transforms"))
     config = cs[0].get("project_config") or {}
+    colour = ("colour images (BloodMNIST) made grey by the mean of R, G and B on both sides "
+              "(`--reference-grey mean`); " if cs[0].get("reference_grey") == "mean" else
+              "colour images (BloodMNIST) made grey by the mean of R, G and B on the project's side and by Pillow's "
+              "luma (0.299 R + 0.587 G + 0.114 B) on the reference's; ")
     if config.get("train#random_transforms") == NO_AUGMENT:
         return (f"Network: ResNet-18 from scratch, width {widen:g}, {size} px on both sides; intensity: "
-                f"{_SCALINGS[reference_settings(preset)['scaling']]}, on both sides; neither side augments "
+                f"{_SCALINGS[reference_settings(preset)['scaling']]}, on both sides; {colour}neither side augments "
                 "(`--no-augmentation`, a diagnostic). ")
     where = ("per case in the loader (`--per-case-augmentation`, as the bundle without a preset does)"
              if config else f"per {'batch' if per_batch else 'case'}, as the preset does")
     scaling = _SCALINGS[reference_settings(preset)["scaling"]]
     return (f"Network: ResNet-18 from scratch, width {widen:g}, {size} px on both sides; intensity: {scaling}, on both "
-            f"sides; the project augments {where}, the reference per case. ")
+            f"sides; {colour}the project augments {where}, the reference per case. ")
 
 
 def _methods_section(label, preset, cs_all, tolerance) -> list:
@@ -901,6 +908,9 @@ def main(argv=None) -> None:
                     help="the project side augments each case in the loader (the chest X-ray bundles' RandAffined and "
                          "RandAdjustContrastd) instead of the preset's per-batch augmentation, as the bundle without a preset does "
                          "(e.g. the rows of bench_cxr); without --rows: what the batching saves")
+    ap.add_argument("--reference-grey", choices=("luma", "mean"), default="luma",
+                    help="with --rows fedavg / fedavg_pl: how the reference makes colour images grey (luma: Pillow's "
+                         "convert('L'), every earlier cell; mean: the mean of R, G and B, as the bundles do)")
     ap.add_argument("--no-augmentation", action="store_true",
                     help="with --rows fedavg / fedavg_pl: neither side augments (a diagnostic of where a gap comes from)")
     ap.add_argument("--rows", help="comma-separated project rows checked against the method references "
@@ -1009,8 +1019,9 @@ def main_methods(args, config: dict | None = None) -> None:
         raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl and its "
                          "ablations, fedavg, fedavg_pl, fedprox, fedfixmatch, fednoro: a "
                          "multi-label preset; fedmix: a segmentation preset; the others: a classification preset)")
-    if args.no_augmentation and set(rows) - {"fedavg", "fedavg_pl"}:
-        raise SystemExit(f"--no-augmentation: --rows fedavg or fedavg_pl only, not {sorted(set(rows) - {'fedavg', 'fedavg_pl'})}")
+    for flag, on in (("--no-augmentation", args.no_augmentation), ("--reference-grey", args.reference_grey != "luma")):
+        if on and set(rows) - {"fedavg", "fedavg_pl"}:
+            raise SystemExit(f"{flag}: --rows fedavg or fedavg_pl only, not {sorted(set(rows) - {'fedavg', 'fedavg_pl'})}")
     settings = _settings(args.set, rows)
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
@@ -1027,7 +1038,7 @@ def main_methods(args, config: dict | None = None) -> None:
                                      args.rounds, eval_rounds, out / "work" / f"{args.label}-{row.replace(':', '_')}",
                                      log=lambda m: print(m, flush=True), image_size=args.image_size,
                                      settings=settings, config=config, widen=args.widen,
-                                     augment=not args.no_augmentation)
+                                     augment=not args.no_augmentation, grey=args.reference_grey)
             result["label"] = args.label
             result["project_config"] = config  # settings the project side changed from the preset (None: none)
             result["load"] = (load_before, os.getloadavg()[0])

@@ -67,9 +67,23 @@ class ResNet18(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1).flatten(1))
 
 
-def load_split(folder: Path, items: list, scaling: str = "minmax"):
-    images = np.stack([np.asarray(Image.open(folder / it["image"]).convert("L"), dtype=np.float32)[None]
-                       for it in items])
+GREY = ("luma", "mean")
+
+
+def grey(path: Path, rule: str = "luma") -> np.ndarray:
+    """An image as one grey channel: Pillow's ``convert("L")`` (ITU-R 601 luma, 0.299 R + 0.587 G + 0.114 B) or
+    (``"mean"``) the plain mean of R, G and B, the chest X-ray bundles' rule (``Ensure2DChannelsd``); a grey
+    image is the same either way."""
+    if rule not in GREY:
+        raise ValueError(f"grey {rule!r}: one of {GREY}")
+    im = Image.open(path)
+    if rule == "mean" and im.mode not in ("L", "I", "I;16", "F"):
+        return np.asarray(im.convert("RGB"), dtype=np.float32).mean(-1)
+    return np.asarray(im.convert("L"), dtype=np.float32)
+
+
+def load_split(folder: Path, items: list, scaling: str = "minmax", grey_rule: str = "luma"):
+    images = np.stack([grey(folder / it["image"], grey_rule)[None] for it in items])
     if scaling == "fixed":  # the 0-255 range to [-1, 1] (MedMNIST's Normalize(0.5, 0.5))
         images = images / 127.5 - 1.0
     else:  # each image by its own min and max, to [0, 1]
@@ -100,12 +114,14 @@ def augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.where(contrast[:, None, None, None], adjusted, x)
 
 
-def load_scenario(data: Path, scaling: str, labels: str = "datalist.json") -> tuple:
-    """A prepared scenario: (classes, [(x, y) per site] from each site's ``labels`` file, (x, y) of the test split)."""
+def load_scenario(data: Path, scaling: str, labels: str = "datalist.json", grey_rule: str = "luma") -> tuple:
+    """A prepared scenario: (classes, [(x, y) per site] from each site's ``labels`` file, (x, y) of the test split);
+    colour images made grey by ``grey_rule`` (``grey``)."""
     scenario = yaml.safe_load((data / "scenario.yaml").read_text())
-    sites = [load_split(data / s, json.loads((data / s / labels).read_text())["training"], scaling)
+    sites = [load_split(data / s, json.loads((data / s / labels).read_text())["training"], scaling, grey_rule)
              for s in scenario["sites"]]
-    test = load_split(data / "test", json.loads((data / "test" / "datalist.json").read_text())["testing"], scaling)
+    test = load_split(data / "test", json.loads((data / "test" / "datalist.json").read_text())["testing"], scaling,
+                      grey_rule)
     return scenario["classes"], sites, test
 
 

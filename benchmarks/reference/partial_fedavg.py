@@ -68,16 +68,17 @@ partial_loss = partial_bce
 def run(data, rounds: int, eval_rounds, seed: int = 0, partial: bool = True, lr: float = 3e-5,
         batch_size: int = 32, weight_decay: float = 5e-4, carry_optimizer: bool = False, epochs: int = 1,
         pos_weight: str = "none", widen: float = 0.25, scaling: str = "fixed", log=print, mu: float = 0.0,
-        augment: bool = True) -> dict:
+        augment: bool = True, grey: str = "luma") -> dict:
     """FedAvg (``partial=False``) or FedAvg-PL (``partial=True``) over a prepared partial-label scenario (label
     -1: not annotated), in the shared FedAvg rounds of ``fedavg.run`` (``mu`` > 0 adds FedProx's proximal term:
     ``fedprox.run``). Test metric: the mean one-vs-rest AUROC of the global model on the pooled test split.
-    ``augment=False`` trains on the images as loaded (a diagnostic: ``reference_check.py --no-augmentation``)."""
+    ``augment=False`` trains on the images as loaded (a diagnostic: ``reference_check.py --no-augmentation``);
+    ``grey``: how colour images become grey (``fedavg_multilabel.grey``; ``reference_check.py --reference-grey``)."""
     from . import fedavg
     from .fedavg_multilabel import ResNet18, load_scenario, macro_auroc
     from .fedavg_multilabel import augment as weak
 
-    classes, sites, test = load_scenario(Path(data), scaling)
+    classes, sites, test = load_scenario(Path(data), scaling, grey_rule=grey)
     weights = [class_weights(y, pos_weight) for _, y in sites]
     loss_fn = partial_loss if partial else naive_loss
     torch.manual_seed(seed)

@@ -437,3 +437,8 @@ def test_no_augmentation_reaches_the_fedavg_reference_and_is_refused_elsewhere(t
     with pytest.raises(SystemExit, match="no-augmentation"):
         rc.main(["--preset", "cxr", "--rows", "fedavg_pl,fedpsl", "--no-augmentation", "--data", str(data),
                  "--rounds", "1", "--label", "x", "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match="reference-grey"):
+        rc.main(["--preset", "cxr", "--rows", "fedpsl", "--reference-grey", "mean", "--data", str(data),
+                 "--rounds", "1", "--label", "x", "--out", str(tmp_path / "out")])
+    with pytest.raises(ValueError, match="reference-grey"):
+        rc.compare_methods("cxr", "surgical", data, 0, 1, [1], tmp_path / "work", grey="mean")

@@ -1126,3 +1126,23 @@ def test_reference_resnet18_is_the_bundles_network(widen):
         reference.train(mode)
         with torch.no_grad():
             np.testing.assert_allclose(project(x).numpy(), reference(x).numpy(), rtol=0, atol=1e-5)
+
+
+def test_reference_grey_rules_and_the_bundles_rule(tmp_path):
+    """Colour images to one grey channel: Pillow's luma (``convert("L")``) or the mean of R, G and B, which is the
+    chest X-ray bundles' rule (``Ensure2DChannelsd``); a grey image is the same either way."""
+    from PIL import Image
+
+    from fedlabels.bundle.data import Ensure2DChannelsd
+    from reference.fedavg_multilabel import grey
+
+    rgb = np.zeros((2, 3, 3), dtype=np.uint8)
+    rgb[0, 0] = (200, 100, 30)  # luma 0.299*200 + 0.587*100 + 0.114*30 = 121.92; mean 110
+    Image.fromarray(rgb).save(tmp_path / "c.png")
+    Image.fromarray(rgb[..., 0]).save(tmp_path / "g.png")
+    assert grey(tmp_path / "c.png", "luma")[0, 0] == 122 and grey(tmp_path / "c.png", "mean")[0, 0] == 110
+    assert np.array_equal(grey(tmp_path / "g.png", "luma"), grey(tmp_path / "g.png", "mean"))
+    with pytest.raises(ValueError, match="grey"):
+        grey(tmp_path / "c.png", "max")
+    bundle = Ensure2DChannelsd("image", channels=1)({"image": torch.from_numpy(rgb).permute(2, 0, 1).float()})
+    np.testing.assert_allclose(bundle["image"][0].numpy(), grey(tmp_path / "c.png", "mean"), atol=1e-4)
