@@ -594,15 +594,17 @@ CRITERIA_HEAD = ("difference d, mean ± sd | 90 % interval of mean d | (a) insid
 COVERAGE = [
     ("`isofed` preset, PneumoniaMNIST / BloodMNIST, every L:U and gamma (`isofed-preset`, `isofed-pretraining`)",
      "`oracle:fedavg` with the preset on PneumoniaMNIST gamma 0.8 and BloodMNIST gamma 0.5 (two training seeds per "
-     "split). The `isofed` and `oracle:wfedavg` rows against the method references on PneumoniaMNIST "
-     "gamma 0.8 and BloodMNIST gamma 0.5, 1 labeled : 3 unlabeled, with `mt_wfedavg`, each with the reference's "
-     "settings (RSCFed's released values where the project can express them), not with the preset's Adam 1e-3; "
-     "`rscfed`, `isofed_nopt`, the other L:U and gamma, and every row with the preset's settings unchecked"),
+     "split). The `oracle:wfedavg`, `isofed`, `isofed_nopt`, `mt_wfedavg` and `rscfed` rows against the method "
+     "references on PneumoniaMNIST gamma 0.8 and 0.5 and BloodMNIST gamma 0.5, 1 labeled : 3 unlabeled, each with "
+     "the reference's settings (RSCFed's released values where the project can express them), not with the "
+     "preset's Adam 1e-3; BloodMNIST gamma 0.8, the other L:U, and every row with the preset's settings "
+     "unchecked"),
     ("`partial_label_study` (embedded chest X-rays; BloodMNIST with per-image min-max scaling)",
      "on BloodMNIST with the study's settings (per-image min-max scaling, Adam 1e-3 kept across rounds, batch 16, "
      "5 local epochs, N_neg / N_pos weighting, ResNet-18 width 0.25 at 32 px; its scoring points, 80-960 local steps "
-     "a site, are rounds 1-12): `fedavg_pl` and `surgical` (2 warm-up epochs) against their references, splits 0-2 "
-     "(`pls-blood-*`); `fedavg`, `fedprox`, `surgical_nowarmup`, the FedPSL rows, the chest X-ray half and the "
+     "a site, are rounds 1-12): `fedavg`, `fedavg_pl`, `fedprox`, `surgical` (2 warm-up epochs), "
+     "`surgical_nowarmup` and `fedpsl` against their references, splits 0-2 (`pls-blood-*`); FedPSL's two "
+     "ablations (`fedpsl_tdma`, `fedpsl_tadl`: references exist, not run), the chest X-ray half and the "
      "mechanism's diagnostics (probe, rho, head) unchecked"),
     ("`bench_cxr` (embedded chest X-rays, 64 px: FedAvg, FedAvg-PL, FedProx, Surgical, FedPSL)",
      "every row against its reference with the comparison's settings (the bundle's defaults: Adam 1e-3 kept across "
@@ -615,9 +617,12 @@ COVERAGE = [
      "(`benchmarks/reference/surgical.py`) with the paper's settings, not the preset's; `fedmlp` against "
      "`benchmarks/reference/fedmlp.py` with the published row \"FedMLP, T0 = T1 = 10 %, no ST\"'s settings; `fedpsl` "
      "against `benchmarks/reference/fedpsl.py` with the published row's settings (the preset's, 1 local epoch); "
-     "`fedavg` and `fedavg_pl` against `benchmarks/reference/partial_fedavg.py` with the published rows' settings "
-     "(the preset's: Adam 1e-3, batch 16, N_neg / N_pos weighting); FedMLP's other rows and ablations, the other "
-     "levels, `fedmlp-cxr`, `fedmlp-scale`, and FedFixMatch, FedNoRo and RSCFed unchecked"),
+     "`fedavg`, `fedavg_pl`, `fedfixmatch` and `fednoro` against `partial_fedavg.py`, `fedfixmatch.py` and "
+     "`fednoro.py` (FedMLP's released code) with the published rows' settings (the preset's: Adam 1e-3 fresh each "
+     "round, batch 16, N_neg / N_pos weighting; FedNoRo's ramp over the 30 rounds); `rscfed_pl` unchecked (FedMLP's "
+     "released RSCFed is another scheme, docs/methods/fedmlp.md); FedMLP's other rows and ablations, the other "
+     "levels, `fedmlp-cxr` and `fedmlp-scale` unchecked. The `*-no-augmentation` and `*-grey-mean` sections are "
+     "diagnostics of FedAvg-PL's gap, not published rows"),
     ("`fedmix-ph2`, `fedmix-lesion` (FedMix, FedST, FedAvg)",
      "on PH2 at 32 px: the upper bound's training path (`oracle:fedavg`, two training seeds); `fedmix` [U, U, L] "
      "and [B, B, L] and `oracle:fedadaptagg` against their reference (`benchmarks/reference/fedmix.py`) with the "
