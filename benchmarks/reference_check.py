@@ -705,7 +705,7 @@ def _settings_text(s: dict, row: str) -> str:
                 + f". The project's row is given the settings as options (`project_options` in each cell). Not the "
                 f"paper's, and what runs instead: {left}.")
 
-    if row in ("fedmlp", "fedavg", "fedavg_pl", "fedprox", "fedfixmatch", "fednoro", *FEDPSL_ABLATIONS):
+    if ROW_KIND.get(row) == "multilabel" and row != "surgical":
         used = ", ".join(f"{k} {v}" for k, v in s.items())
         ref = method_reference(row)
         name = ref.__name__.rsplit(".", 1)[-1]
@@ -761,15 +761,14 @@ def _input_text(preset: str, cs: list) -> str:
               "(`--reference-grey mean`); " if cs[0].get("reference_grey") == "mean" else
               "colour images (BloodMNIST) made grey by the mean of R, G and B on the project's side and by Pillow's "
               "luma (0.299 R + 0.587 G + 0.114 B) on the reference's; ")
-    if config.get("train#random_transforms") == NO_AUGMENT:
-        return (f"Network: ResNet-18 from scratch, width {widen:g}, {size} px on both sides; intensity: "
-                f"{_SCALINGS[reference_settings(preset)['scaling']]}, on both sides; {colour}neither side augments "
-                "(`--no-augmentation`, a diagnostic). ")
     where = ("per case in the loader (`--per-case-augmentation`, as the bundle without a preset does)"
              if config else f"per {'batch' if per_batch else 'case'}, as the preset does")
+    augments = ("neither side augments (`--no-augmentation`, a diagnostic)"
+                if config.get("train#random_transforms") == NO_AUGMENT else
+                f"the project augments {where}, the reference per case")
     scaling = _SCALINGS[reference_settings(preset)["scaling"]]
     return (f"Network: ResNet-18 from scratch, width {widen:g}, {size} px on both sides; intensity: {scaling}, on both "
-            f"sides; {colour}the project augments {where}, the reference per case. ")
+            f"sides; {colour}{augments}. ")
 
 
 def _methods_section(label, preset, cs_all, tolerance) -> list:

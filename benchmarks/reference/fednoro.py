@@ -20,7 +20,6 @@ paper prints none.
 
 from __future__ import annotations
 
-import copy
 import math
 from pathlib import Path
 
@@ -69,10 +68,7 @@ def rule(weights: list, kd_weight: float, temperature: float, rampup_begin: int,
     now = {}
 
     def start(net, k, rnd):  # fedavg.run counts rounds from 1, the released code from 0
-        teacher = copy.deepcopy(net).eval()
-        for p in teacher.parameters():
-            p.requires_grad_(False)
-        now.update(teacher=teacher, w=ramp_weight(rnd - 1, kd_weight, rampup_begin, rampup_end))
+        now.update(teacher=fedmlp.teacher_of(net), w=ramp_weight(rnd - 1, kd_weight, rampup_begin, rampup_end))
 
     def loss(net, x, y, k):
         x = augment(x)

@@ -30,6 +30,8 @@ import torch
 from torch.func import functional_call
 from torch.nn import functional as F
 
+from . import fedmlp
+
 # (value, source); FedPSL has no released code, so a value the paper does not print says so.
 PAPER = {
     "lr": (1e-3, "paper Sec. VII-D3: Adam, alpha = beta = 1e-3"),
@@ -111,16 +113,6 @@ def tdma(states: list, sizes: list, labeled: list, global_state: dict, head: str
     return out
 
 
-def fedavg(states: list, sizes: list) -> dict:
-    """Every tensor's mean weighted by n_k (the ablation without TDMA)."""
-    w = torch.tensor(sizes, dtype=torch.float64)
-    out = {}
-    for key, first in states[0].items():
-        new = torch.tensordot(w / w.sum(), torch.stack([s[key].double() for s in states]), dims=1)
-        out[key] = new.round().to(first.dtype) if not first.dtype.is_floating_point else new.to(first.dtype)
-    return out
-
-
 def make_optimizers(net, local: str, lr: float):
     """TADL: Adam on theta and Adam on phi (alpha = beta); plain: one Adam on the whole network."""
     if local == "tadl":
@@ -180,7 +172,7 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 1e-3, epochs:
                        second_order)
             states.append({key: v.detach().clone() for key, v in net.state_dict().items()})
         global_net.load_state_dict(tdma(states, sizes, labeled, global_net.state_dict())
-                                   if aggregation == "tdma" else fedavg(states, sizes))
+                                   if aggregation == "tdma" else fedmlp.fedavg(states, sizes))
         seconds.append(time.perf_counter() - t0)
         if rnd in eval_rounds:
             out[rnd] = {"auroc": macro_auroc(global_net, *test)}

@@ -767,7 +767,7 @@ def test_project_fedpsl_federation_equals_the_reference_over_two_rounds(row, loc
         weights = server.aggregate(updates, weights, rnd)
         labeled = [(y >= 0).sum(0).tolist() for _, y in data.values()]
         rglobal.load_state_dict(rp.tdma(states, list(sizes.values()), labeled, rglobal.state_dict())
-                                if aggregation == "tdma" else rp.fedavg(states, list(sizes.values())))
+                                if aggregation == "tdma" else rp.fedmlp.fedavg(states, list(sizes.values())))
         for k, v in rglobal.state_dict().items():
             np.testing.assert_allclose(weights[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"global {rnd} {k}")
     # TDMA: the rows of a class one site labels are that site's (n_k^c = 0 at the other), not the n_k-weighted
