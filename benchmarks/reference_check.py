@@ -490,18 +490,21 @@ def method_reference(row: str):
 def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
                     log=print, settings: dict | None = None, image_size: int | None = None,
                     config: dict | None = None, widen: float | None = None, augment: bool = True,
-                    grey: str = "luma") -> dict:
+                    grey: str | None = None) -> dict:
     """One split, one row: the project twice (training seeds ``split`` and ``split + SEED_OFFSET``) and the
     method reference once (seed ``split``), one after the other in this process. ``config``: bundle overrides
     of the project side beyond the row's (``--per-case-augmentation``); ``widen``: the multi-label ResNet-18's
     width on both sides instead of the preset's."""
-    from reference import fedmix, partial_fedavg, semisup
+    from reference import fedmix, fednoro, partial_fedavg, semisup
 
     reference = method_reference(row)
-    if not augment and reference is not partial_fedavg:
-        raise ValueError("--no-augmentation: only FedAvg's and FedAvg-PL's reference (partial_fedavg.py) has it")
-    if grey != "luma" and reference is not partial_fedavg:
-        raise ValueError("--reference-grey: only FedAvg's and FedAvg-PL's reference (partial_fedavg.py) has it")
+    if not augment and reference not in (partial_fedavg, fednoro):
+        raise ValueError("--no-augmentation: only the references of FedAvg, FedAvg-PL (partial_fedavg.py) and "
+                         "FedNoRo (fednoro.py) have it")
+    multilabel = ROW_KIND.get(row) == "multilabel"
+    if grey is not None and not multilabel:
+        raise ValueError("--reference-grey: only the multi-label references read colour images as grey")
+    grey = grey or "mean"  # the bundles' rule (Ensure2DChannelsd); cells before it was an option read luma
     s = {**reference.CHECK, **(settings or {})}
     proj = project_settings(preset, row, s)
     proj["config"] = {**proj["config"], **(config or {})}
@@ -514,13 +517,14 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
         runs.append({**run, "train_seed": seed})
     method, oracle = METHOD_ROWS[row]
     # the multi-label references read the preset's network width and scaling, as the FedAvg check does
-    multilabel = ROW_KIND.get(row) == "multilabel"
     if widen and not multilabel:
         raise ValueError("--widen: only the ResNet-18 of the multi-label references has a width option")
     if multilabel:
         bundle = reference_settings(preset)
-        extra = ({"partial": row == "fedavg_pl", "augment": augment, "grey": grey} if reference is partial_fedavg else
+        extra = ({"partial": row == "fedavg_pl", "augment": augment} if reference is partial_fedavg else
+                 {"augment": augment} if reference is fednoro else
                  dict(zip(("local", "aggregation"), FEDPSL_ABLATIONS[row])) if row in FEDPSL_ABLATIONS else {})
+        extra["grey"] = grey
         ref = reference.run(data, rounds, set(eval_rounds), seed=split, log=log, scaling=bundle["scaling"],
                             widen=widen or bundle.get("widen", 1.0), **extra, **s)
     elif reference is fedmix:
@@ -530,7 +534,7 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
     ref["metrics"] = {str(k): v for k, v in ref["metrics"].items()}
     return {"kind": "methods", "preset": preset, "row": row, "metric": REFERENCES[preset][1],
             "data": str(data), "seed": split, "rounds": rounds, "image_size": image_size, "widen": widen,
-            "reference": s, "reference_grey": grey,
+            "reference": s, **({"reference_grey": grey} if multilabel else {}),
             "project_options": proj,
             "projects": runs, "reference_run": ref}
 
@@ -757,8 +761,8 @@ def _input_text(preset: str, cs: list) -> str:
     size = cs[0].get("image_size") or cfg["image_size"]
     per_batch = bool(cfg["train"].get("batch_transforms"))
     config = cs[0].get("project_config") or {}
-    colour = ("colour images (BloodMNIST) made grey by the mean of R, G and B on both sides "
-              "(`--reference-grey mean`); " if cs[0].get("reference_grey") == "mean" else
+    colour = ("colour images (BloodMNIST) made grey by the mean of R, G and B on both sides; "
+              if cs[0].get("reference_grey") == "mean" else
               "colour images (BloodMNIST) made grey by the mean of R, G and B on the project's side and by Pillow's "
               "luma (0.299 R + 0.587 G + 0.114 B) on the reference's; ")
     where = ("per case in the loader (`--per-case-augmentation`, as the bundle without a preset does)"
@@ -912,11 +916,13 @@ def main(argv=None) -> None:
                     help="the project side augments each case in the loader (the chest X-ray bundles' RandAffined and "
                          "RandAdjustContrastd) instead of the preset's per-batch augmentation, as the bundle without a preset does "
                          "(e.g. the rows of bench_cxr); without --rows: what the batching saves")
-    ap.add_argument("--reference-grey", choices=("luma", "mean"), default="luma",
-                    help="with --rows fedavg / fedavg_pl: how the reference makes colour images grey (luma: Pillow's "
-                         "convert('L'), every earlier cell; mean: the mean of R, G and B, as the bundles do)")
+    ap.add_argument("--reference-grey", choices=("luma", "mean"),
+                    help="with multi-label --rows: how the reference makes colour images grey (mean, the default: the "
+                         "mean of R, G and B, as the bundles do; luma: Pillow's convert('L'), what the cells before "
+                         "this option read)")
     ap.add_argument("--no-augmentation", action="store_true",
-                    help="with --rows fedavg / fedavg_pl: neither side augments (a diagnostic of where a gap comes from)")
+                    help="with --rows fedavg / fedavg_pl / fednoro: neither side augments (a diagnostic of where a gap "
+                         "comes from)")
     ap.add_argument("--rows", help="comma-separated project rows checked against the method references "
                                    f"(benchmarks/reference/semisup.py, surgical.py, fedmlp.py, partial_fedavg.py, fedpsl.py, "
                                    "fedprox.py, fedfixmatch.py, fednoro.py, fedmix.py): "
@@ -940,7 +946,7 @@ def main(argv=None) -> None:
     config = None
     if args.no_augmentation:
         if not args.rows or args.per_case_augmentation:
-            ap.error("--no-augmentation: with --rows fedavg or fedavg_pl, without --per-case-augmentation")
+            ap.error("--no-augmentation: with --rows fedavg, fedavg_pl or fednoro, without --per-case-augmentation")
         config = {"train#random_transforms": NO_AUGMENT, "train#batch_transforms": []}
     if args.per_case_augmentation:
         if REFERENCES[args.preset][0] != "multilabel":
@@ -1023,9 +1029,11 @@ def main_methods(args, config: dict | None = None) -> None:
         raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl and its "
                          "ablations, fedavg, fedavg_pl, fedprox, fedfixmatch, fednoro: a "
                          "multi-label preset; fedmix: a segmentation preset; the others: a classification preset)")
-    for flag, on in (("--no-augmentation", args.no_augmentation), ("--reference-grey", args.reference_grey != "luma")):
-        if on and set(rows) - {"fedavg", "fedavg_pl"}:
-            raise SystemExit(f"{flag}: --rows fedavg or fedavg_pl only, not {sorted(set(rows) - {'fedavg', 'fedavg_pl'})}")
+    if args.no_augmentation and set(rows) - {"fedavg", "fedavg_pl", "fednoro"}:
+        raise SystemExit(f"--no-augmentation: --rows fedavg, fedavg_pl or fednoro only, not "
+                         f"{sorted(set(rows) - {'fedavg', 'fedavg_pl', 'fednoro'})}")
+    if args.reference_grey and kind != "multilabel":
+        raise SystemExit(f"--reference-grey: multi-label rows only (the {kind} references keep the images' channels)")
     settings = _settings(args.set, rows)
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)

@@ -68,13 +68,13 @@ def loss_fn(weak_logits, strong_logits, y, weight, confidence: float, lambda_u: 
 def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 3e-5, batch_size: int = 32,
         weight_decay: float = 5e-4, carry_optimizer: bool = False, epochs: int = 1, confidence: float = 0.8,
         lambda_u: float = 1.0, pos_weight: str = "none", widen: float = 0.25, scaling: str = "fixed",
-        log=print) -> dict:
+        grey: str = "luma", log=print) -> dict:
     """FedFixMatch over a prepared partial-label scenario (label -1: not annotated). Test metric: the mean
     one-vs-rest AUROC of the global model on the pooled test split."""
     from . import fedavg
     from .fedavg_multilabel import ResNet18, augment, load_scenario, macro_auroc
 
-    classes, sites, test = load_scenario(Path(data), scaling)
+    classes, sites, test = load_scenario(Path(data), scaling, grey_rule=grey)
     weights = [partial_fedavg.class_weights(y, pos_weight) for _, y in sites]
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)

@@ -82,17 +82,20 @@ def rule(weights: list, kd_weight: float, temperature: float, rampup_begin: int,
 def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 3e-5, batch_size: int = 32,
         weight_decay: float = 5e-4, carry_optimizer: bool = False, epochs: int = 1, kd_weight: float = 0.8,
         temperature: float = 0.8, rampup_begin: int = 10, rampup_end: int = 499, pos_weight: str = "none",
-        widen: float = 0.25, scaling: str = "fixed", log=print) -> dict:
+        widen: float = 0.25, scaling: str = "fixed", grey: str = "luma", augment: bool = True,
+        log=print) -> dict:
     """FedNoRo over a prepared partial-label scenario (label -1: not annotated). Test metric: the mean
-    one-vs-rest AUROC of the global model on the pooled test split."""
+    one-vs-rest AUROC of the global model on the pooled test split. ``grey``: how colour images become grey
+    (``fedavg_multilabel.grey``); ``augment=False`` trains on the images as loaded (a diagnostic)."""
     from . import fedavg
-    from .fedavg_multilabel import ResNet18, augment, load_scenario, macro_auroc
+    from .fedavg_multilabel import ResNet18, load_scenario, macro_auroc
+    from .fedavg_multilabel import augment as weak
 
-    classes, sites, test = load_scenario(Path(data), scaling)
+    classes, sites, test = load_scenario(Path(data), scaling, grey_rule=grey)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     start, loss = rule([partial_fedavg.class_weights(y, pos_weight) for _, y in sites], kd_weight, temperature,
-                       rampup_begin, rampup_end, lambda x: augment(x, gen))
+                       rampup_begin, rampup_end, (lambda x: weak(x, gen)) if augment else (lambda x: x))
     return fedavg.run(lambda: ResNet18(1, len(classes), widen), sites, loss,
                       lambda net: {"auroc": macro_auroc(net, *test)}, rounds, eval_rounds, gen, lr, batch_size,
                       epochs, weight_decay, log=log, tag=f"fednoro seed {seed} ", carry_optimizer=carry_optimizer,

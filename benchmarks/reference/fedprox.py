@@ -29,7 +29,7 @@ LEFT_OUT = {**{key: fedpsl.LEFT_OUT[key] for key in ("network", "input", "rounds
 
 def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 1e-3, epochs: int = 10, batch_size: int = 16,
         carry_optimizer: bool = False, mu: float = 0.001, pos_weight: str = "neg_over_pos", widen: float = 0.25,
-        scaling: str = "fixed", log=print) -> dict:
+        scaling: str = "fixed", grey: str = "luma", log=print) -> dict:
     """FedProx over a prepared partial-label scenario (label -1: not labeled): FedAvg-PL's rounds
     (``partial_fedavg.run``, no weight decay) with the proximal term. Test metric: the mean one-vs-rest AUROC of
     the global model on the pooled test split."""
@@ -37,4 +37,4 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 1e-3, epochs:
 
     return partial_fedavg.run(data, rounds, eval_rounds, seed=seed, partial=True, lr=lr, batch_size=batch_size,
                               weight_decay=0.0, carry_optimizer=carry_optimizer, epochs=epochs,
-                              pos_weight=pos_weight, widen=widen, scaling=scaling, log=log, mu=mu)
+                              pos_weight=pos_weight, widen=widen, scaling=scaling, grey=grey, log=log, mu=mu)

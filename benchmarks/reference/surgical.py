@@ -123,7 +123,8 @@ def train_local(net, opt, x, y, batches, epochs: int, augment, weight=None) -> N
 
 def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 5e-5, batch_size: int = 64, epochs: int = 1,
         warmup_epochs: int = 15, warmup_lr: float = 5e-3, optimizer: str = "adam", carry_optimizer: bool = True,
-        pos_weight: str = "none", widen: float = 0.25, scaling: str = "fixed", log=print) -> dict:
+        pos_weight: str = "none", widen: float = 0.25, scaling: str = "fixed", grey: str = "luma",
+        log=print) -> dict:
     """Surgical Aggregation over a prepared partial-label scenario: each site trains the BCE of the classes it
     annotates (label -1: not annotated) from the global model; at the first round a site trains, its head
     is first trained alone (``warm_up``) with the feature extractor frozen and in inference mode; the server
@@ -136,7 +137,7 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 5e-5, batch_s
 
     if optimizer != "adam":
         raise ValueError(f"optimizer {optimizer!r}: the reference runs the released code's Adam")
-    classes, sites, test = load_scenario(Path(data), scaling)
+    classes, sites, test = load_scenario(Path(data), scaling, grey_rule=grey)
     n_classes = len(classes)
     masks = [(y >= 0).any(0).numpy() for _, y in sites]  # the classes each site annotates
     weights = [class_weights(y, pos_weight) for _, y in sites]

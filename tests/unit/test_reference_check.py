@@ -437,8 +437,50 @@ def test_no_augmentation_reaches_the_fedavg_reference_and_is_refused_elsewhere(t
     with pytest.raises(SystemExit, match="no-augmentation"):
         rc.main(["--preset", "cxr", "--rows", "fedavg_pl,fedpsl", "--no-augmentation", "--data", str(data),
                  "--rounds", "1", "--label", "x", "--out", str(tmp_path / "out")])
-    with pytest.raises(SystemExit, match="reference-grey"):
-        rc.main(["--preset", "cxr", "--rows", "fedpsl", "--reference-grey", "mean", "--data", str(data),
+    with pytest.raises(SystemExit, match="reference-grey"):  # the classification references keep the channels
+        rc.main(["--preset", "isofed", "--rows", "isofed", "--reference-grey", "mean", "--data", str(data),
                  "--rounds", "1", "--label", "x", "--out", str(tmp_path / "out")])
     with pytest.raises(ValueError, match="reference-grey"):
-        rc.compare_methods("cxr", "surgical", data, 0, 1, [1], tmp_path / "work", grey="mean")
+        rc.compare_methods("isofed", "isofed", data, 0, 1, [1], tmp_path / "work", grey="mean")
+
+
+def test_fednoro_reference_trains_unaugmented_when_told(tmp_path, monkeypatch):
+    from fedlabels.data.synthetic import generate
+    from reference import fedavg_multilabel, fednoro
+
+    data = generate("cxr", tmp_path / "cxr", seed=0, size=16, cases=10, test_cases=30)
+
+    def refuse(x, gen):
+        raise AssertionError("augmented")
+
+    monkeypatch.setattr(fedavg_multilabel, "augment", refuse)
+    out = fednoro.run(data, 2, {2}, augment=False, batch_size=8, rampup_begin=0, rampup_end=1, log=lambda m: None)
+    assert 0 <= out["metrics"][2]["auroc"] <= 1
+    with pytest.raises(AssertionError, match="augmented"):
+        fednoro.run(data, 1, {1}, batch_size=8, log=lambda m: None)
+
+
+MULTILABEL_ROWS = ["fedavg", "fedavg_pl", "fedprox", "surgical", "fedmlp", "fedpsl", "fedpsl_tdma", "fedpsl_tadl",
+                   "fedfixmatch", "fednoro"]
+
+
+@pytest.mark.parametrize("row", MULTILABEL_ROWS)
+def test_every_multilabel_reference_reads_colour_as_the_bundles_do_unless_told(tmp_path, monkeypatch, row):
+    """The multi-label references make colour images grey by the bundles' rule (the mean of R, G and B) unless
+    ``--reference-grey luma`` says otherwise; each cell records the rule its reference read."""
+    import reference_check as rc
+    from reference import fedavg_multilabel
+
+    assert sorted(r for r, kind in rc.ROW_KIND.items() if kind == "multilabel") == sorted(MULTILABEL_ROWS)
+    seen = []
+
+    def load(data, scaling, labels="datalist.json", grey_rule="luma"):
+        seen.append(grey_rule)
+        raise RuntimeError("loaded")
+
+    monkeypatch.setattr(fedavg_multilabel, "load_scenario", load)
+    monkeypatch.setattr(rc, "project_cell", lambda *a, **k: {"metrics": {}})  # the project side is not under test
+    for grey, expect in ((None, "mean"), ("luma", "luma")):
+        with pytest.raises(RuntimeError, match="loaded"):
+            rc.compare_methods("fedmlp_blood", row, tmp_path, 0, 1, [1], tmp_path / "work", grey=grey)
+        assert seen.pop() == expect
