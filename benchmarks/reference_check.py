@@ -289,11 +289,17 @@ def per_split(cells: list, rnd, metric: str) -> tuple:
     d, s = [], []
     for c in cells:
         runs = [r["metrics"][str(rnd)][metric] for r in _project_runs(c)]
-        ref = c["reference_run"]["metrics"][str(rnd)][metric]
+        ref = reference_metric(c, rnd, metric)
         d.append(float(np.mean(runs)) - ref)
         if len(runs) == 2:
             s.append(runs[0] - runs[1])
     return d, (s if len(s) == len(cells) else [])
+
+
+def reference_metric(cell: dict, rnd, metric: str) -> float:
+    """The reference's metric of a cell at ``rnd``: the mean over its runs where it ran more than once
+    (``--reference-runs``)."""
+    return float(np.mean([r["metrics"][str(rnd)][metric] for r in cell.get("reference_runs") or [cell["reference_run"]]]))
 
 
 def _project_runs(cell: dict) -> list:
@@ -490,9 +496,10 @@ def method_reference(row: str):
 def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
                     log=print, settings: dict | None = None, image_size: int | None = None,
                     config: dict | None = None, widen: float | None = None, augment: bool = True,
-                    grey: str | None = None) -> dict:
+                    grey: str | None = None, reference_runs: int = 1) -> dict:
     """One split, one row: the project twice (training seeds ``split`` and ``split + SEED_OFFSET``) and the
-    method reference once (seed ``split``), one after the other in this process. ``config``: bundle overrides
+    method reference once (seed ``split``; ``reference_runs`` > 1: also seeds ``split + k * SEED_OFFSET``, its own
+    seed-to-seed spread), one after the other in this process. ``config``: bundle overrides
     of the project side beyond the row's (``--per-case-augmentation``); ``widen``: the multi-label ResNet-18's
     width on both sides instead of the preset's."""
     from reference import fedmix, fednoro, partial_fedavg, semisup
@@ -504,6 +511,8 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
     multilabel = ROW_KIND.get(row) == "multilabel"
     if grey is not None and not multilabel:
         raise ValueError("--reference-grey: only the multi-label references read colour images as grey")
+    if reference_runs > 1 and not multilabel:
+        raise ValueError("--reference-runs: only the multi-label references run more than once")
     grey = grey or "mean"  # the bundles' rule (Ensure2DChannelsd); cells before it was an option read luma
     s = {**reference.CHECK, **(settings or {})}
     proj = project_settings(preset, row, s)
@@ -525,14 +534,21 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
                  {"augment": augment} if reference is fednoro else
                  dict(zip(("local", "aggregation"), FEDPSL_ABLATIONS[row])) if row in FEDPSL_ABLATIONS else {})
         extra["grey"] = grey
-        ref = reference.run(data, rounds, set(eval_rounds), seed=split, log=log, scaling=bundle["scaling"],
-                            widen=widen or bundle.get("widen", 1.0), **extra, **s)
+        refs = [reference.run(data, rounds, set(eval_rounds), seed=split + k * SEED_OFFSET, log=log,
+                              scaling=bundle["scaling"], widen=widen or bundle.get("widen", 1.0), **extra, **s)
+                for k in range(reference_runs)]
+        ref = refs[0]
     elif reference is fedmix:
         ref = fedmix.run(data, rounds, set(eval_rounds), seed=split, method=method, oracle=oracle, log=log, **s)
     else:
         ref = semisup.run(data, method, rounds, set(eval_rounds), seed=split, oracle=oracle, log=log, **(settings or {}))
     ref["metrics"] = {str(k): v for k, v in ref["metrics"].items()}
-    return {"kind": "methods", "preset": preset, "row": row, "metric": REFERENCES[preset][1],
+    more = {}
+    if reference_runs > 1:
+        for k, r in enumerate(refs):
+            r["metrics"], r["train_seed"] = {str(key): v for key, v in r["metrics"].items()}, split + k * SEED_OFFSET
+        more["reference_runs"] = refs
+    return {**more, "kind": "methods", "preset": preset, "row": row, "metric": REFERENCES[preset][1],
             "data": str(data), "seed": split, "rounds": rounds, "image_size": image_size, "widen": widen,
             "reference": s, **({"reference_grey": grey} if multilabel else {}),
             "project_options": proj,
@@ -780,10 +796,12 @@ def _methods_section(label, preset, cs_all, tolerance) -> list:
     tol = tolerance[metric]
     splits = sorted({c["seed"] for c in cs_all})
     rows = [r for r in METHOD_ROWS if any(c["row"] == r for c in cs_all)]
+    nref = max(len(c.get("reference_runs") or []) for c in cs_all)
     lines = [f"## {label}: the methods against their references (preset `{preset}`, splits {splits})", "",
              _input_text(preset, cs_all) + _settings_text(cs_all[0]["reference"], cs_all[0]["row"]), "",
              f"Per split the project ran twice (training seeds s and s + {SEED_OFFSET}, columns A and B) and the "
-             "reference once (seed s). d = mean(A, B) - reference per split; seed-to-seed = A - B per split. "
+             + ("reference once (seed s)" if not nref else f"reference {nref} times (its column: their mean; below)")
+             + ". d = mean(A, B) - reference per split; seed-to-seed = A - B per split. "
              f"(a): the 90 % t interval of the mean of d inside ±{100 * tol:.0f} points; (b): max abs d <= max abs "
              "seed-to-seed. Metric: the last model's test metric, mean ± sd over splits"
              + ("; `classes` = classes predicted for at least one test case, per split (A / B / reference)."
@@ -799,7 +817,8 @@ def _methods_section(label, preset, cs_all, tolerance) -> list:
             for r in rounds:
                 a = [c["projects"][0]["metrics"][str(r)] for c in cs]
                 b = [c["projects"][1]["metrics"][str(r)] for c in cs]
-                q = [c["reference_run"]["metrics"][str(r)] for c in cs]
+                q = [{m: reference_metric(c, r, m), **({"classes_predicted": c["reference_run"]["metrics"][str(r)].get(
+                    "classes_predicted")} if classes else {})} for c in cs]
                 crit = _criteria_cells(cs, r, m, tol)[0]
                 line = (f"| `{row}` | {r} | {_fmt([x[m] for x in a])} | {_fmt([x[m] for x in b])} "
                         f"| {_fmt([x[m] for x in q])} | {crit} |")
@@ -808,7 +827,7 @@ def _methods_section(label, preset, cs_all, tolerance) -> list:
                                              for side in (a, b, q)) + " |")
                 lines.append(line)
         lines.append("")
-    lines += _tags_lines(cs_all)
+    lines += _tags_lines(cs_all) + _reference_spread_lines(cs_all, metric)
     lost = []
     for c in sorted(cs_all, key=lambda c: (list(METHOD_ROWS).index(c["row"]), c["seed"])):
         by_site = {}
@@ -838,6 +857,23 @@ def _methods_section(label, preset, cs_all, tolerance) -> list:
               + ", ".join(f"{c['load'][0]:.1f}-{c['load'][1]:.1f}" for c in cs_all if c.get("load"))
               + f", on {os.cpu_count()} cores.", ""]
     return lines
+
+
+def _reference_spread_lines(cs_all: list, metric: str) -> list:
+    """Where the reference ran more than once per split (``--reference-runs``): its runs per split and round."""
+    cs = sorted((c for c in cs_all if len(c.get("reference_runs") or []) > 1), key=lambda c: (c["row"], c["seed"]))
+    if not cs:
+        return []
+    n = len(cs[0]["reference_runs"])
+    parts = []
+    for c in cs:
+        for r in sorted(c["reference_run"]["metrics"], key=int):
+            vals = [100 * run["metrics"][r][metric] for run in c["reference_runs"]]
+            parts.append(f"`{c['row']}` split {c['seed']} round {r}: " + ", ".join(f"{v:.1f}" for v in vals)
+                         + f" (max - min {max(vals) - min(vals):.1f})")
+    return [f"The reference ran {n} times per split (seeds s, s + {SEED_OFFSET}"
+            + (f", s + {2 * SEED_OFFSET}" if n > 2 else "") + (", ..." if n > 3 else "")
+            + "); its column and d use the mean of its runs. Its own runs: " + "; ".join(parts) + ".", ""]
 
 
 def _tags_lines(cs_all: list) -> list:
@@ -934,6 +970,9 @@ def main(argv=None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="with --rows: a reference setting instead of its CHECK value (a JSON value, e.g. beta=3, "
                          "carry_optimizer=false); both sides train with it")
+    ap.add_argument("--reference-runs", type=int, default=1,
+                    help=f"with multi-label --rows: the reference trains this many times per split (seeds s, s + "
+                         f"{SEED_OFFSET}, ...): its own seed-to-seed spread; its mean is what d compares with")
     ap.add_argument("--two-seeds", action="store_true",
                     help=f"run the project twice per split (training seeds s and s + {SEED_OFFSET}): criterion (b)")
     ap.add_argument("--table-only", action="store_true", help="rewrite reference_check.md from the finished cells")
@@ -1032,6 +1071,8 @@ def main_methods(args, config: dict | None = None) -> None:
     if args.no_augmentation and set(rows) - {"fedavg", "fedavg_pl", "fednoro"}:
         raise SystemExit(f"--no-augmentation: --rows fedavg, fedavg_pl or fednoro only, not "
                          f"{sorted(set(rows) - {'fedavg', 'fedavg_pl', 'fednoro'})}")
+    if args.reference_runs < 1 or (args.reference_runs > 1 and kind != "multilabel"):
+        raise SystemExit(f"--reference-runs {args.reference_runs}: at least 1; more than 1 with multi-label rows only")
     if args.reference_grey and kind != "multilabel":
         raise SystemExit(f"--reference-grey: multi-label rows only (the {kind} references keep the images' channels)")
     settings = _settings(args.set, rows)
@@ -1050,7 +1091,8 @@ def main_methods(args, config: dict | None = None) -> None:
                                      args.rounds, eval_rounds, out / "work" / f"{args.label}-{row.replace(':', '_')}",
                                      log=lambda m: print(m, flush=True), image_size=args.image_size,
                                      settings=settings, config=config, widen=args.widen,
-                                     augment=not args.no_augmentation, grey=args.reference_grey)
+                                     augment=not args.no_augmentation, grey=args.reference_grey,
+                                     reference_runs=args.reference_runs)
             result["label"] = args.label
             result["project_config"] = config  # settings the project side changed from the preset (None: none)
             result["load"] = (load_before, os.getloadavg()[0])
