@@ -623,7 +623,9 @@ COVERAGE = [
      "on BloodMNIST with the study's settings (per-image min-max scaling, Adam 1e-3 kept across rounds, batch 16, "
      "5 local epochs, N_neg / N_pos weighting, ResNet-18 width 0.25 at 32 px; its scoring points, 80-960 local steps "
      "a site, are rounds 1-12): `fedavg`, `fedavg_pl`, `fedprox`, `surgical` (2 warm-up epochs), "
-     "`surgical_nowarmup` and `fedpsl` against their references, splits 0-2 (`pls-blood-*`); FedPSL's two "
+     "`surgical_nowarmup` and `fedpsl` against their references, splits 0-2 (`pls-blood-*`), every row but "
+     "`fedpsl` again with the references reading the colour images by the bundles' grey rule "
+     "(`pls-blood-*-grey-mean`; the other sections' references read Pillow's luma); FedPSL's two "
      "ablations (`fedpsl_tdma`, `fedpsl_tadl`: references exist, not run), the chest X-ray half and the "
      "mechanism's diagnostics (probe, rho, head) unchecked"),
     ("`bench_cxr` (embedded chest X-rays, 64 px: FedAvg, FedAvg-PL, FedProx, Surgical, FedPSL)",
@@ -641,8 +643,10 @@ COVERAGE = [
      "`fednoro.py` (FedMLP's released code) with the published rows' settings (the preset's: Adam 1e-3 fresh each "
      "round, batch 16, N_neg / N_pos weighting; FedNoRo's ramp over the 30 rounds); `rscfed_pl` unchecked (FedMLP's "
      "released RSCFed is another scheme, docs/methods/fedmlp.md); FedMLP's other rows and ablations, the other "
-     "levels, `fedmlp-cxr` and `fedmlp-scale` unchecked. The `*-no-augmentation` and `*-grey-mean` sections are "
-     "diagnostics of FedAvg-PL's gap, not published rows"),
+     "levels, `fedmlp-cxr` and `fedmlp-scale` unchecked. The sections above read BloodMNIST's colour images by "
+     "Pillow's luma on the reference's side; `fedavg`, `fedavg_pl`, `fedfixmatch`, `fednoro` and `fedpsl` ran "
+     "again on splits 0-2 with the bundles' grey rule (`*-grey-mean`; FedNoRo's reference three times per "
+     "split). The `*-no-augmentation` sections are diagnostics, not published rows"),
     ("`fedmix-ph2`, `fedmix-lesion` (FedMix, FedST, FedAvg)",
      "on PH2 at 32 px: the upper bound's training path (`oracle:fedavg`, two training seeds); `fedmix` [U, U, L] "
      "and [B, B, L] and `oracle:fedadaptagg` against their reference (`benchmarks/reference/fedmix.py`) with the "
