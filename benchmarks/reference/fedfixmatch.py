@@ -68,7 +68,7 @@ def loss_fn(weak_logits, strong_logits, y, weight, confidence: float, lambda_u: 
 def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 3e-5, batch_size: int = 32,
         weight_decay: float = 5e-4, carry_optimizer: bool = False, epochs: int = 1, confidence: float = 0.8,
         lambda_u: float = 1.0, pos_weight: str = "none", widen: float = 0.25, scaling: str = "fixed",
-        grey: str = "luma", log=print) -> dict:
+        grey: str = "mean", log=print) -> dict:
     """FedFixMatch over a prepared partial-label scenario (label -1: not annotated). Test metric: the mean
     one-vs-rest AUROC of the global model on the pooled test split."""
     from . import fedavg

@@ -273,7 +273,7 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 3e-5, batch_s
         weight_decay: float = 5e-4, carry_optimizer: bool = False, epochs: int = 1, warmup_rounds: int = 50,
         low: float = 0.3, high: float = 0.7, tau0: float = 0.005, tau1: float = 0.01, logit_adjustment: bool = True,
         adaptive_threshold: bool = True, degree_sites: str = "missing", consistency_weight: float = 1.0,
-        two_views: bool = True, missing_prior: str = "tags", widen: float = 0.25, scaling: str = "fixed", grey: str = "luma",
+        two_views: bool = True, missing_prior: str = "tags", widen: float = 0.25, scaling: str = "fixed", grey: str = "mean",
         log=print) -> dict:
     """FedMLP over a prepared partial-label scenario (label -1: not annotated). Test metric: the mean
     one-vs-rest AUROC of the global model on the pooled test split."""

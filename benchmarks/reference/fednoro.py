@@ -82,7 +82,7 @@ def rule(weights: list, kd_weight: float, temperature: float, rampup_begin: int,
 def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 3e-5, batch_size: int = 32,
         weight_decay: float = 5e-4, carry_optimizer: bool = False, epochs: int = 1, kd_weight: float = 0.8,
         temperature: float = 0.8, rampup_begin: int = 10, rampup_end: int = 499, pos_weight: str = "none",
-        widen: float = 0.25, scaling: str = "fixed", grey: str = "luma", augment: bool = True,
+        widen: float = 0.25, scaling: str = "fixed", grey: str = "mean", augment: bool = True,
         log=print) -> dict:
     """FedNoRo over a prepared partial-label scenario (label -1: not annotated). Test metric: the mean
     one-vs-rest AUROC of the global model on the pooled test split. ``grey``: how colour images become grey

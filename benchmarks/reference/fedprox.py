@@ -29,7 +29,7 @@ LEFT_OUT = {**{key: fedpsl.LEFT_OUT[key] for key in ("network", "input", "rounds
 
 def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 1e-3, epochs: int = 10, batch_size: int = 16,
         carry_optimizer: bool = False, mu: float = 0.001, pos_weight: str = "neg_over_pos", widen: float = 0.25,
-        scaling: str = "fixed", grey: str = "luma", log=print) -> dict:
+        scaling: str = "fixed", grey: str = "mean", log=print) -> dict:
     """FedProx over a prepared partial-label scenario (label -1: not labeled): FedAvg-PL's rounds
     (``partial_fedavg.run``, no weight decay) with the proximal term. Test metric: the mean one-vs-rest AUROC of
     the global model on the pooled test split."""

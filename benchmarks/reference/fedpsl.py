@@ -139,7 +139,7 @@ def train_site(net, opts, x, y, weight, epochs: int, batches, augment, local: st
 
 def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 1e-3, epochs: int = 10, batch_size: int = 16,
         carry_optimizer: bool = False, second_order: bool = True, widen: float = 0.25, scaling: str = "fixed",
-        local: str = "tadl", aggregation: str = "tdma", grey: str = "luma", log=print) -> dict:
+        local: str = "tadl", aggregation: str = "tdma", grey: str = "mean", log=print) -> dict:
     """FedPSL over a prepared partial-label scenario (label -1: not labeled). Augmentation: the bundle's affine and
     contrast change. Test metric: the mean one-vs-rest AUROC of the global model on the pooled test split.
     The paper's ablations: ``local="plain"`` trains each batch by one Adam step of the whole network on

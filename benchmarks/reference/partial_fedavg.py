@@ -68,7 +68,7 @@ partial_loss = partial_bce
 def run(data, rounds: int, eval_rounds, seed: int = 0, partial: bool = True, lr: float = 3e-5,
         batch_size: int = 32, weight_decay: float = 5e-4, carry_optimizer: bool = False, epochs: int = 1,
         pos_weight: str = "none", widen: float = 0.25, scaling: str = "fixed", log=print, mu: float = 0.0,
-        augment: bool = True, grey: str = "luma") -> dict:
+        augment: bool = True, grey: str = "mean") -> dict:
     """FedAvg (``partial=False``) or FedAvg-PL (``partial=True``) over a prepared partial-label scenario (label
     -1: not annotated), in the shared FedAvg rounds of ``fedavg.run`` (``mu`` > 0 adds FedProx's proximal term:
     ``fedprox.run``). Test metric: the mean one-vs-rest AUROC of the global model on the pooled test split.

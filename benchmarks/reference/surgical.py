@@ -123,7 +123,7 @@ def train_local(net, opt, x, y, batches, epochs: int, augment, weight=None) -> N
 
 def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 5e-5, batch_size: int = 64, epochs: int = 1,
         warmup_epochs: int = 15, warmup_lr: float = 5e-3, optimizer: str = "adam", carry_optimizer: bool = True,
-        pos_weight: str = "none", widen: float = 0.25, scaling: str = "fixed", grey: str = "luma",
+        pos_weight: str = "none", widen: float = 0.25, scaling: str = "fixed", grey: str = "mean",
         log=print) -> dict:
     """Surgical Aggregation over a prepared partial-label scenario: each site trains the BCE of the classes it
     annotates (label -1: not annotated) from the global model; at the first round a site trains, its head
