@@ -296,10 +296,15 @@ def per_split(cells: list, rnd, metric: str) -> tuple:
     return d, (s if len(s) == len(cells) else [])
 
 
+def reference_runs(cell: dict) -> list:
+    """A cell's reference runs: ``reference_run`` (seed s) and, where it ran more than once (``--reference-runs``),
+    ``more_reference_runs`` (seeds s + k * SEED_OFFSET)."""
+    return [cell["reference_run"], *cell.get("more_reference_runs", [])]
+
+
 def reference_metric(cell: dict, rnd, metric: str) -> float:
-    """The reference's metric of a cell at ``rnd``: the mean over its runs where it ran more than once
-    (``--reference-runs``)."""
-    return float(np.mean([r["metrics"][str(rnd)][metric] for r in cell.get("reference_runs") or [cell["reference_run"]]]))
+    """The reference's metric of a cell at ``rnd``: the mean over its runs."""
+    return float(np.mean([r["metrics"][str(rnd)][metric] for r in reference_runs(cell)]))
 
 
 def _project_runs(cell: dict) -> list:
@@ -493,6 +498,24 @@ def method_reference(row: str):
             "fednoro": fednoro}.get(row, semisup)  # semisup: IsoFed, MT+wFedAvg, RSCFed and wFedAvg
 
 
+def refuse_options(row: str, augment: bool = True, grey: str | None = None, reference_runs: int = 1,
+                   widen: float | None = None) -> None:
+    """Options ``row``'s reference cannot take, refused before anything trains (ValueError naming the option)."""
+    from reference import fednoro, partial_fedavg
+
+    multilabel = ROW_KIND.get(row) == "multilabel"
+    if not augment and method_reference(row) not in (partial_fedavg, fednoro):
+        raise ValueError(f"--no-augmentation: only the references of FedAvg, FedAvg-PL (partial_fedavg.py) and "
+                         f"FedNoRo (fednoro.py) have it, not {row}'s")
+    if grey is not None and not multilabel:
+        raise ValueError("--reference-grey: only the multi-label references read colour images as grey")
+    if reference_runs < 1 or (reference_runs > 1 and not multilabel):
+        raise ValueError(f"--reference-runs {reference_runs}: at least 1; more than 1 with the multi-label "
+                         "references only")
+    if widen and not multilabel:
+        raise ValueError("--widen: only the ResNet-18 of the multi-label references has a width option")
+
+
 def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, eval_rounds: list, work: Path,
                     log=print, settings: dict | None = None, image_size: int | None = None,
                     config: dict | None = None, widen: float | None = None, augment: bool = True,
@@ -504,15 +527,9 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
     width on both sides instead of the preset's."""
     from reference import fedmix, fednoro, partial_fedavg, semisup
 
+    refuse_options(row, augment, grey, reference_runs, widen)
     reference = method_reference(row)
-    if not augment and reference not in (partial_fedavg, fednoro):
-        raise ValueError("--no-augmentation: only the references of FedAvg, FedAvg-PL (partial_fedavg.py) and "
-                         "FedNoRo (fednoro.py) have it")
     multilabel = ROW_KIND.get(row) == "multilabel"
-    if grey is not None and not multilabel:
-        raise ValueError("--reference-grey: only the multi-label references read colour images as grey")
-    if reference_runs > 1 and not multilabel:
-        raise ValueError("--reference-runs: only the multi-label references run more than once")
     grey = grey or "mean"  # the bundles' rule (Ensure2DChannelsd); cells before it was an option read luma
     s = {**reference.CHECK, **(settings or {})}
     proj = project_settings(preset, row, s)
@@ -526,8 +543,6 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
         runs.append({**run, "train_seed": seed})
     method, oracle = METHOD_ROWS[row]
     # the multi-label references read the preset's network width and scaling, as the FedAvg check does
-    if widen and not multilabel:
-        raise ValueError("--widen: only the ResNet-18 of the multi-label references has a width option")
     if multilabel:
         bundle = reference_settings(preset)
         extra = ({"partial": row == "fedavg_pl", "augment": augment} if reference is partial_fedavg else
@@ -547,7 +562,7 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
     if reference_runs > 1:
         for k, r in enumerate(refs):
             r["metrics"], r["train_seed"] = {str(key): v for key, v in r["metrics"].items()}, split + k * SEED_OFFSET
-        more["reference_runs"] = refs
+        more["more_reference_runs"] = refs[1:]
     return {**more, "kind": "methods", "preset": preset, "row": row, "metric": REFERENCES[preset][1],
             "data": str(data), "seed": split, "rounds": rounds, "image_size": image_size, "widen": widen,
             "reference": s, **({"reference_grey": grey} if multilabel else {}),
@@ -800,11 +815,11 @@ def _methods_section(label, preset, cs_all, tolerance) -> list:
     tol = tolerance[metric]
     splits = sorted({c["seed"] for c in cs_all})
     rows = [r for r in METHOD_ROWS if any(c["row"] == r for c in cs_all)]
-    nref = max(len(c.get("reference_runs") or []) for c in cs_all)
+    nref = max(len(reference_runs(c)) for c in cs_all)
     lines = [f"## {label}: the methods against their references (preset `{preset}`, splits {splits})", "",
              _input_text(preset, cs_all) + _settings_text(cs_all[0]["reference"], cs_all[0]["row"]), "",
              f"Per split the project ran twice (training seeds s and s + {SEED_OFFSET}, columns A and B) and the "
-             + ("reference once (seed s)" if not nref else f"reference {nref} times (its column: their mean; below)")
+             + ("reference once (seed s)" if nref == 1 else f"reference {nref} times (its column: their mean; below)")
              + ". d = mean(A, B) - reference per split; seed-to-seed = A - B per split. "
              f"(a): the 90 % t interval of the mean of d inside ±{100 * tol:.0f} points; (b): max abs d <= max abs "
              "seed-to-seed. Metric: the last model's test metric, mean ± sd over splits"
@@ -821,11 +836,10 @@ def _methods_section(label, preset, cs_all, tolerance) -> list:
             for r in rounds:
                 a = [c["projects"][0]["metrics"][str(r)] for c in cs]
                 b = [c["projects"][1]["metrics"][str(r)] for c in cs]
-                q = [{m: reference_metric(c, r, m), **({"classes_predicted": c["reference_run"]["metrics"][str(r)].get(
-                    "classes_predicted")} if classes else {})} for c in cs]
+                q = [c["reference_run"]["metrics"][str(r)] for c in cs]  # classes: an accuracy row has one run
                 crit = _criteria_cells(cs, r, m, tol)[0]
                 line = (f"| `{row}` | {r} | {_fmt([x[m] for x in a])} | {_fmt([x[m] for x in b])} "
-                        f"| {_fmt([x[m] for x in q])} | {crit} |")
+                        f"| {_fmt([reference_metric(c, r, m) for c in cs])} | {crit} |")
                 if classes:
                     line += (" " + " / ".join(",".join(str(x.get("classes_predicted")) for x in side)
                                              for side in (a, b, q)) + " |")
@@ -865,14 +879,14 @@ def _methods_section(label, preset, cs_all, tolerance) -> list:
 
 def _reference_spread_lines(cs_all: list, metric: str) -> list:
     """Where the reference ran more than once per split (``--reference-runs``): its runs per split and round."""
-    cs = sorted((c for c in cs_all if len(c.get("reference_runs") or []) > 1), key=lambda c: (c["row"], c["seed"]))
+    cs = sorted((c for c in cs_all if len(reference_runs(c)) > 1), key=lambda c: (c["row"], c["seed"]))
     if not cs:
         return []
-    n = len(cs[0]["reference_runs"])
+    n = len(reference_runs(cs[0]))
     parts = []
     for c in cs:
         for r in sorted(c["reference_run"]["metrics"], key=int):
-            vals = [100 * run["metrics"][r][metric] for run in c["reference_runs"]]
+            vals = [100 * run["metrics"][r][metric] for run in reference_runs(c)]
             parts.append(f"`{c['row']}` split {c['seed']} round {r}: " + ", ".join(f"{v:.1f}" for v in vals)
                          + f" (max - min {max(vals) - min(vals):.1f})")
     return [f"The reference ran {n} times per split (seeds s, s + {SEED_OFFSET}"
@@ -1072,13 +1086,11 @@ def main_methods(args, config: dict | None = None) -> None:
         raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl and its "
                          "ablations, fedavg, fedavg_pl, fedprox, fedfixmatch, fednoro: a "
                          "multi-label preset; fedmix: a segmentation preset; the others: a classification preset)")
-    if args.no_augmentation and set(rows) - {"fedavg", "fedavg_pl", "fednoro"}:
-        raise SystemExit(f"--no-augmentation: --rows fedavg, fedavg_pl or fednoro only, not "
-                         f"{sorted(set(rows) - {'fedavg', 'fedavg_pl', 'fednoro'})}")
-    if args.reference_runs < 1 or (args.reference_runs > 1 and kind != "multilabel"):
-        raise SystemExit(f"--reference-runs {args.reference_runs}: at least 1; more than 1 with multi-label rows only")
-    if args.reference_grey and kind != "multilabel":
-        raise SystemExit(f"--reference-grey: multi-label rows only (the {kind} references keep the images' channels)")
+    for row in rows:  # every row's options, before the first cell trains
+        try:
+            refuse_options(row, not args.no_augmentation, args.reference_grey, args.reference_runs, args.widen)
+        except ValueError as e:
+            raise SystemExit(f"--rows {row}: {e}") from None
     settings = _settings(args.set, rows)
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)

@@ -183,13 +183,13 @@ def test_several_reference_runs_compare_by_their_mean_and_show_their_spread():
     # the reference at 0.90 and 0.74 on this split (seeds s and s + 1000): d = (0.80 + 0.78) / 2 - 0.82 = -0.03
     cell = {"kind": "methods", "label": "x", "preset": "fedmlp_blood", "row": "fednoro", "metric": "auroc", "seed": 0,
             "reference": {}, "projects": [run(0.80), run(0.78)], "reference_run": run(0.90),
-            "reference_runs": [run(0.90), run(0.74)]}
+            "more_reference_runs": [run(0.74)]}
     d, s = rc.per_split([cell], 30, "auroc")
     assert d == pytest.approx([-0.03]) and s == pytest.approx([0.02])
     assert rc.reference_metric({"reference_run": run(0.9)}, 30, "auroc") == pytest.approx(0.9)  # one run: itself
     lines = rc._reference_spread_lines([cell], "auroc")
     assert "2 times per split" in lines[0] and "90.0, 74.0 (max - min 16.0)" in lines[0]
-    assert rc._reference_spread_lines([{**cell, "reference_runs": None}], "auroc") == []
+    assert rc._reference_spread_lines([{**cell, "more_reference_runs": []}], "auroc") == []
 
 
 def test_verdict_needs_both_criteria():
@@ -452,9 +452,11 @@ def test_no_augmentation_reaches_the_fedavg_reference_and_is_refused_elsewhere(t
         partial_fedavg.run(data, 1, {1}, batch_size=8, log=lambda m: None)
     with pytest.raises(ValueError, match="no-augmentation"):  # before the project trains
         rc.compare_methods("cxr", "surgical", data, 0, 1, [1], tmp_path / "work", augment=False)
-    with pytest.raises(SystemExit, match="no-augmentation"):
+    with pytest.raises(SystemExit, match="--rows fedpsl: --no-augmentation"):  # the row that cannot, named
         rc.main(["--preset", "cxr", "--rows", "fedavg_pl,fedpsl", "--no-augmentation", "--data", str(data),
                  "--rounds", "1", "--label", "x", "--out", str(tmp_path / "out")])
+    with pytest.raises(ValueError, match="widen"):  # the classification references have no width option
+        rc.compare_methods("isofed", "isofed", data, 0, 1, [1], tmp_path / "work", widen=0.5)
     with pytest.raises(SystemExit, match="reference-grey"):  # the classification references keep the channels
         rc.main(["--preset", "isofed", "--rows", "isofed", "--reference-grey", "mean", "--data", str(data),
                  "--rounds", "1", "--label", "x", "--out", str(tmp_path / "out")])
@@ -465,6 +467,7 @@ def test_no_augmentation_reaches_the_fedavg_reference_and_is_refused_elsewhere(t
     with pytest.raises(SystemExit, match="reference-runs"):
         rc.main(["--preset", "isofed", "--rows", "isofed", "--reference-runs", "2", "--data", str(data),
                  "--rounds", "1", "--label", "x", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out" / "cells").exists()  # nothing trained
 
 
 def test_fednoro_reference_trains_unaugmented_when_told(tmp_path, monkeypatch):
