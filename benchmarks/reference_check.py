@@ -5,6 +5,9 @@ Methods (IsoFed's table, Surgical Aggregation, FedMLP and its FedAvg baselines, 
 
     python benchmarks/reference_check.py --preset isofed --rows oracle:wfedavg,isofed,mt_wfedavg \
         --data 'DIR-s{seed}' --seeds 0,1,2 --rounds 20 --eval-rounds 5,10,20 --label pneumoniamnist-g0.8-1L3U
+    python benchmarks/reference_check.py --preset isofed_rscfed --rows oracle:wfedavg,isofed --set augment=crop_hflip \
+        --set strong=photometric --set warmup_rounds=7 --set sup_scale=100 --data 'DIR-rscfed-s{seed}' \
+        --seeds 0,1,2 --rounds 60 --eval-rounds 20,40,60 --label pneumoniamnist-rscfed-g0.5-1L3U  # isofed-rscfed
     python benchmarks/reference_check.py --preset fedmlp_blood --rows surgical --data 'DIR-s{seed}' \
         --seeds 0,1,2 --rounds 150 --eval-rounds 50,100,150 --label bloodmnist-one-class
     python benchmarks/reference_check.py --preset fedmix --rows fedmix --image-size 32 --data 'DIR-s{seed}' \
@@ -61,7 +64,8 @@ from reference import fedavg_classification, fedavg_multilabel, fedavg_segmentat
 
 # What the reference needs of a preset, read from the preset itself (so a preset edit reaches both sides).
 # preset -> (reference loop, the metric compared)
-REFERENCES = {"isofed": ("classification", "accuracy"), "fedmix": ("segmentation", "dice"),
+REFERENCES = {"isofed": ("classification", "accuracy"), "isofed_rscfed": ("classification", "accuracy"),
+              "fedmix": ("segmentation", "dice"),
               "cxr": ("multilabel", "auroc"), "fedmlp_blood": ("multilabel", "auroc")}
 LOOPS = {"classification": fedavg_classification, "segmentation": fedavg_segmentation,
          "multilabel": fedavg_multilabel}
@@ -80,16 +84,32 @@ CXR_BATCH_AUGMENT = [{"_target_": "fedlabels.bundle.augment.BatchRandAffine", "p
                      {"_target_": "fedlabels.bundle.augment.BatchRandAdjustContrast", "prob": 0.3, "gamma": [0.8, 1.25]}]
 
 
-def reference_settings(preset: str) -> dict:
+# the isofed_rscfed preset's weak view (RSCFed's resize, crop and flip), as semisup.crop_hflip implements it
+RSCFED_CROP = [{"_target_": "Resized", "keys": ["image"], "spatial_size": ["$@image_size * 5 // 4"] * 2,
+                "mode": "bilinear", "anti_aliasing": False},
+               {"_target_": "RandSpatialCropd", "keys": ["image"], "roi_size": ["@image_size", "@image_size"],
+                "random_size": False},
+               {"_target_": "fedlabels.bundle.data.RandMirrord", "keys": ["image"], "prob": 0.5, "spatial_axis": 0}]
+# the medmnist_cnn bundle's strong view, as semisup.photometric implements it
+PHOTOMETRIC = [{"_target_": "RandAdjustContrastd", "keys": ["image"], "prob": 0.8, "gamma": [0.5, 2.0]},
+               {"_target_": "RandGaussianNoised", "keys": ["image"], "prob": 0.8, "std": 0.2},
+               {"_target_": "RandCoarseDropoutd", "keys": ["image"], "holes": 1, "spatial_size": "$@image_size // 4",
+                "fill_value": 0.0, "prob": 0.5},
+               {"_target_": "EnsureTyped", "keys": ["image"], "track_meta": False}]
+
+
+def reference_settings(preset: str, fedavg_loop: bool = True) -> dict:
     """The reference loop's arguments, read from the bundle config merged with the preset (so a preset or
-    bundle edit reaches both sides); a setting the loop has no equivalent of stops here, naming the field."""
+    bundle edit reaches both sides); a setting the loop has no equivalent of stops here, naming the field.
+    ``fedavg_loop`` False: only what the method references read of it (scaling, augmentation, width), whose
+    optimizer comes from their own settings."""
     from fedlabels import presets
     from fedlabels.bundle import read
 
     p = presets.load(preset)
     cfg = read(p.bundle, "", preset=preset, class_names=["a"])
     where = f"{p.path} over {p.bundle / 'configs' / 'train.json'}"
-    if p.client.get("optimizer", "adam") != "adam" or not p.client.get("reset_optimizer", False):
+    if fedavg_loop and (p.client.get("optimizer", "adam") != "adam" or not p.client.get("reset_optimizer", False)):
         raise ValueError(f"{where}: field 'federated.client': the reference loop implements a fresh Adam every "
                          "round only")
     intensity = cfg["intensity"]
@@ -104,6 +124,8 @@ def reference_settings(preset: str) -> dict:
     flips = tuple(t.get("_target_") for t in random)
     augment = {(): "none", ("fedlabels.bundle.data.RandMirrord",): "hflip", ("RandFlipd",): "hflip",
                ("fedlabels.bundle.data.RandDihedrald",): "dihedral"}.get(flips)
+    if random == RSCFED_CROP:
+        augment = "crop_hflip"
     batch = cfg["train"].get("batch_transforms") or []
     if random == CXR_AUGMENT and not batch or random == CXR_AUGMENT[-1:] and batch == CXR_BATCH_AUGMENT:
         augment = "affine_contrast"
@@ -114,13 +136,16 @@ def reference_settings(preset: str) -> dict:
     common = {"lr": p.client.get("lr", 1e-3), "batch_size": cfg["batch_size"], "epochs": p.local_epochs}
     kind = REFERENCES[preset][0]
     expected = {"classification": {("fixed", "hflip"), ("fixed", "dihedral"), ("minmax", "hflip"), ("minmax", "dihedral"),
-                                   ("fixed", "none"), ("minmax", "none")},
+                                   ("fixed", "none"), ("minmax", "none"), ("fixed", "crop_hflip")},
                 "segmentation": {("minmax", "dihedral")},
                 "multilabel": {("minmax", "affine_contrast"), ("fixed", "affine_contrast")}}[kind]
     if (scaling, augment) not in expected:
         raise ValueError(f"{where}: the {kind} reference has no equivalent of scaling {scaling} with {augment}")
     if kind == "classification":
-        if p.client.get("weight_decay", 0.0):
+        if fedavg_loop and augment == "crop_hflip":
+            raise ValueError(f"{where}: field 'train#random_transforms': the FedAvg reference loop has no crop "
+                             "(the method references do: --rows)")
+        if fedavg_loop and p.client.get("weight_decay", 0.0):
             raise ValueError(f"{where}: field 'federated.client.weight_decay': the classification reference has none")
         return {**common, "scaling": scaling, "augment": augment}
     if kind == "segmentation":
@@ -366,12 +391,21 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         return fedmix_settings(preset, row, s)
     if s["distance"] != "paper":
         raise ValueError(f"distance {s['distance']!r}: the project implements the paper's (the flattened model)")
-    bundle = reference_settings(preset)  # the preset's scaling and weak augmentation, as the reference names them
+    bundle = reference_settings(preset, fedavg_loop=False)  # the preset's scaling and weak view, as the reference names them
     for key in ("scaling", "augment"):
         if bundle[key] != s[key]:
             raise ValueError(f"the {preset} preset's {key} is {bundle[key]!r}, the reference's {s[key]!r}")
-    if s["strong"] != "hflip":
-        raise ValueError(f"strong view {s['strong']!r}: the check has the project's equivalent of 'hflip' only")
+    if s["strong"] == "photometric":
+        from fedlabels import presets
+        from fedlabels.bundle import read
+
+        strong = read(presets.load(preset).bundle, "", preset=preset, class_names=["a"])["train"]["strong_random_transforms"]
+        if strong != PHOTOMETRIC:
+            raise ValueError(f"strong view 'photometric': the {preset} preset's train#strong_random_transforms is "
+                             f"{strong}, not the reference's")
+    elif s["strong"] != "hflip":
+        raise ValueError(f"strong view {s['strong']!r}: the check has the project's equivalent of 'hflip' and "
+                         "'photometric' only")
     client = {"optimizer": s["optimizer"], "lr": s["lr"], "weight_decay": s["weight_decay"],
               "reset_optimizer": not s["carry_optimizer"], "clip_grad_norm": s["max_grad_norm"]}
     if s["optimizer"] == "sgd":
@@ -383,12 +417,13 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         client |= {"pretrain": True, "pretrain_epochs": s["pretrain_epochs"], "pretrain_target": "both",
                    "pretrain_sites": "unlabeled"}
     server = {"lambda_c": s["sup_scale"], "lambda_unlabeled": s["dist_scale"], "labeled_multiplier": 1.0,
-              "warmup_rounds": 0}
+              "warmup_rounds": s["warmup_rounds"]}
     if row == "rscfed":  # the subsets are drawn from the run's seed on the project's side, Python's random here
         server |= {"subsets": s["subsets"], "subset_size": s["subset_size"]}
     opts = [f"{row}:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
+    second_flip = row != "oracle:wfedavg" and s["strong"] == "hflip"
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"],
-            "config": {"train#strong_random_transforms": STRONG_AS_SECOND_FLIP} if row != "oracle:wfedavg" else {}}
+            "config": {"train#strong_random_transforms": STRONG_AS_SECOND_FLIP} if second_flip else {}}
 
 
 def surgical_settings(preset: str, s: dict) -> dict:
@@ -771,9 +806,9 @@ def _settings_text(s: dict, row: str) -> str:
     used = ", ".join(f"{k} {s[k]}" for k in ("optimizer", "lr", "momentum", "weight_decay", "batch_size", "epochs",
                                                "lambda_u", "temperature", "ema_alpha", "sup_scale", "dist_scale",
                                                "carry_optimizer", "max_grad_norm", "augment", "strong", "scaling",
-                                               "distance", "pretrain_epochs", "subsets", "subset_size")
-                     if k in s)  # cells older than RSCFed's reference have no subsets
-    left = "; ".join(f"{k}: {v}" for k, v in semisup.LEFT_OUT.items())
+                                               "distance", "pretrain_epochs", "subsets", "subset_size", "warmup_rounds")
+                     if k in s)  # cells older than RSCFed's reference have no subsets (nor warmup_rounds)
+    left = "; ".join(f"{k}: {v}" for k, v in semisup.left_out(s).items())
     return (f"Both sides train with the reference's settings (`benchmarks/reference/semisup.py` `CHECK`, taken from "
             f"RSCFed's released code, whose values and sources are its `RSCFED`): {used}. The project's row is given "
             f"them as options (`project_options` in each cell). RSCFed's values not used here, and what runs "
@@ -1013,6 +1048,10 @@ def main(argv=None) -> None:
         return main_methods(args, config)
     if args.set:
         ap.error("--set: a method reference's setting; give it with --rows")
+    try:  # the preset's settings the FedAvg loop cannot take, before anything trains
+        reference_settings(args.preset)
+    except ValueError as e:
+        raise SystemExit(f"--preset {args.preset}: {e}") from None
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     seeds, eval_rounds = _splits(args)

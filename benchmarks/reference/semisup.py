@@ -37,6 +37,17 @@ every value).
   state is); each subset is aggregated by Eq. 2-3 (``sup_scale`` when it holds a
   labeled site, else ``dist_scale``); W_glob is the plain mean of the subset
   models.
+* ``warmup_rounds`` (RSCFed's ``--resume --from_labeled``: its semi-supervised
+  rounds start from a checkpoint "trained only on labeled client"; the code
+  that made it is not released): the first rounds train the labeled sites only,
+  their optimizers carried on, aggregated as the method's labeled group.
+* Views: ``hflip`` (a left-right flip), ``crop_hflip`` (RSCFed's
+  ``cifar_load.py``: the image resized to 5/4 of its size, a random crop back
+  to its size, then the flip: 40 -> 32 px there, 35 -> 28 px on MedMNIST) and,
+  for the student, ``hflip`` again (a second draw, RSCFed's second weak view)
+  or ``photometric`` (a strong view of our own choosing, the bundle's: a random
+  gamma contrast, Gaussian noise and one square hole on the weak view; IsoFed
+  does not define its strong view).
 """
 
 from __future__ import annotations
@@ -52,7 +63,8 @@ import torch
 import yaml
 from torch import nn
 
-from .fedavg_classification import AUGMENT, IsoFedCNN, load_split, test_metrics
+from .fedavg_classification import AUGMENT as FLIPS
+from .fedavg_classification import IsoFedCNN, hflip, load_split, test_metrics
 
 _README = "RSCFed README.md (run example)"
 # RSCFed's released settings, each with where the code says it. (value, source)
@@ -104,17 +116,41 @@ CHECK = {"optimizer": "sgd", "lr": RSCFED["lr_labeled"][0], "lr_unlabeled": RSCF
          "sup_scale": RSCFED["sup_scale"][0], "dist_scale": RSCFED["dist_scale"][0],
          "carry_optimizer": RSCFED["carry_optimizer"][0], "max_grad_norm": RSCFED["max_grad_norm"][0],
          "augment": "hflip", "strong": "hflip", "scaling": "fixed", "distance": "paper", "pretrain_epochs": 1,
-         "subsets": RSCFED["meta_round"][0], "subset_size": 3}
-LEFT_OUT = {
+         "subsets": RSCFED["meta_round"][0], "subset_size": 3, "warmup_rounds": 0}
+LEFT_OUT = {  # each entry stands while its setting keeps CHECK's value (left_out)
     "augment": "a left-right flip only, no random crop (RSCFed crops 32 px out of 40 px; MedMNIST is 28 px and the "
                "project's bundle has no crop); the student's view is a second independent flip, as RSCFed's second "
                "weak view",
-    "warm_start": "none: the project's warmup_rounds is not RSCFed's checkpoint",
+    "warm_start": "none (warmup_rounds 0)",
     "rounds": "the check's budget, not 1000",
     "distance": "the paper's norm of the flattened model (Eq. 3), which the project implements; RSCFed's sum of "
                 "per-tensor norms is the reference's distance='rscfed'",
     "scaling": "x / 127.5 - 1 (MedMNIST's released Normalize(0.5, 0.5)); RSCFed normalises by its datasets' mean/sd",
 }
+# What runs instead of RSCFed's value where a setting left CHECK's (``--set``); "strong" only: RSCFed's is CHECK's.
+INSTEAD = {
+    "augment": "RSCFed's resize-crop-flip scaled to MedMNIST (35 px, a random 28 px crop, a flip; RSCFed's 40 and 32 "
+               "px), the crop offsets uniform over every position",
+    "strong": "the student's view is the weak view with a random gamma contrast (probability 0.8, gamma 0.5-2 over "
+              "the image's own range), Gaussian noise (probability 0.8, sd drawn from 0-0.2) and one 7 x 7 hole set "
+              "to 0 (probability 0.5): the bundle's strong view, not RSCFed's second weak view",
+    "warm_start": "the first warmup_rounds rounds train the labeled sites only, their optimizers carried on: a reading "
+                  "of RSCFed's --from_labeled checkpoint, whose code is not released",
+}
+
+
+def left_out(s: dict) -> dict:
+    """RSCFed's values not used by settings ``s``, each with what runs instead."""
+    out = dict(LEFT_OUT)
+    if s.get("augment", "hflip") != "hflip":
+        out["augment"] = INSTEAD["augment"]
+    if s.get("strong", "hflip") != "hflip":
+        out["strong"] = INSTEAD["strong"]
+    if s.get("warmup_rounds", 0):
+        out["warm_start"] = INSTEAD["warm_start"]
+    return out
+
+
 # Not printed by IsoFed nor set by RSCFed (RSCFed has no pretraining): the reference's stated choice.
 CHOICES = {"pretrain_epochs": "1 pass over the unlabeled site's weak views",
            "pretrain_lr": "the site's lr, a fresh optimizer of the same kind each round",
@@ -170,6 +206,46 @@ def dynamic_weights(states: list, n, scale: float, distance: str = "paper") -> n
 def wfedavg(states: list, n, scale: float, distance: str = "paper") -> dict:
     """Dynamically weighted FedAvg of ``states``."""
     return mean_state(states, dynamic_weights(states, n, scale, distance))
+
+
+# ---------------------------------------------------------------- views
+
+
+def crop_hflip(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """RSCFed's weak view scaled to ``x``'s size s: bilinear resize to 5 s / 4, a random s x s crop per image (every
+    offset equally likely), a left-right flip with probability 1/2."""
+    size = x.shape[-1]
+    big = nn.functional.interpolate(x, size=(size * 5 // 4,) * 2, mode="bilinear", align_corners=False)
+    spare = big.shape[-1] - size
+    at = torch.randint(0, spare + 1, (len(x), 2), generator=gen)
+    crops = torch.stack([big[i, :, a:a + size, b:b + size] for i, (a, b) in enumerate(at.tolist())])
+    return hflip(crops, gen)
+
+
+def adjust_contrast(img: torch.Tensor, gamma: float) -> torch.Tensor:
+    """One image's gamma contrast over its own range: ((x - min) / (range + 1e-7)) ** gamma * range + min."""
+    lo, span = img.min(), img.max() - img.min()
+    return ((img - lo) / (span + 1e-7)) ** gamma * span + lo
+
+
+def photometric(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """The strong view of each image: gamma contrast (p 0.8, gamma ~ U(0.5, 2)), Gaussian noise (p 0.8, sd ~ U(0,
+    0.2)), one (s // 4)-square hole set to 0 (p 0.5, its corner uniform over every position)."""
+    out = x.clone()
+    hole = x.shape[-1] // 4
+    for i in range(len(x)):
+        u = torch.rand(6, generator=gen).tolist()
+        if u[0] < 0.8:
+            out[i] = adjust_contrast(out[i], 0.5 + 1.5 * u[1])
+        if u[2] < 0.8:
+            out[i] = out[i] + u[3] * 0.2 * torch.randn(out[i].shape, generator=gen)
+        if u[4] < 0.5:
+            a, b = torch.randint(0, x.shape[-1] - hole + 1, (2,), generator=gen).tolist()
+            out[i, :, a:a + hole, b:b + hole] = 0.0
+    return out
+
+
+AUGMENT = {**FLIPS, "crop_hflip": crop_hflip, "photometric": photometric}
 
 
 # ---------------------------------------------------------------- local rules
@@ -383,8 +459,11 @@ def run(data, method: str, rounds: int, eval_rounds, seed: int = 0, oracle: bool
     for rnd in range(1, rounds + 1):
         t0 = time.perf_counter()
         lost = []
-        draws = draw_subsets(subsets, len(sites), s) if method == "rscfed" else None
-        weights = one_round(method, sites, weights, s, gen, dropped=lost, draws=draws)
+        if rnd <= s["warmup_rounds"]:  # the labeled sites alone: the labeled group of wfedavg
+            weights = one_round("wfedavg", sites, weights, s, gen, dropped=lost)
+        else:
+            draws = draw_subsets(subsets, len(sites), s) if method == "rscfed" else None
+            weights = one_round(method, sites, weights, s, gen, dropped=lost, draws=draws)
         seconds.append(time.perf_counter() - t0)
         if lost:
             dropped[rnd] = lost

@@ -192,6 +192,35 @@ def test_several_reference_runs_compare_by_their_mean_and_show_their_spread():
     assert rc._reference_spread_lines([{**cell, "more_reference_runs": []}], "auroc") == []
 
 
+def test_the_released_code_preset_rows_get_its_views_and_warm_start(tmp_path):
+    """isofed_rscfed's published rows: its resize-crop-flip and the bundle's strong view reach the reference by
+    name (both checked against the preset's transforms), its warm-up rounds and lambda_c reach the project."""
+    import reference_check as rc
+    from reference import semisup
+
+    assert rc.reference_settings("isofed_rscfed", fedavg_loop=False)["augment"] == "crop_hflip"
+    with pytest.raises(ValueError, match="fresh Adam"):  # the FedAvg loop cannot run this preset
+        rc.reference_settings("isofed_rscfed")
+    with pytest.raises(SystemExit, match="--preset isofed_rscfed: .*isofed_rscfed.json.*fresh Adam"):
+        rc.main(["--preset", "isofed_rscfed", "--data", "x{seed}", "--rounds", "1", "--label", "x",
+                 "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+    s = {**semisup.CHECK, "augment": "crop_hflip", "strong": "photometric", "warmup_rounds": 7, "sup_scale": 100.0}
+    got = rc.project_settings("isofed_rscfed", "isofed", s)
+    opts = dict(o.split(":", 1)[1].split("=", 1) for o in got["opts"])
+    assert int(opts["warmup_rounds"]) == 7 and float(opts["lambda_c"]) == 100.0
+    assert got["config"] == {}  # the preset's own strong view, not the second flip
+    assert int(dict(o.split(":", 1)[1].split("=", 1) for o in
+                    rc.project_settings("isofed", "isofed", semisup.CHECK)["opts"])["warmup_rounds"]) == 0
+    with pytest.raises(ValueError, match="augment is 'hflip'"):  # the isofed preset has no crop
+        rc.project_settings("isofed", "isofed", s)
+    with pytest.raises(ValueError, match="strong view 'cutout'"):
+        rc.project_settings("isofed_rscfed", "isofed", {**s, "strong": "cutout"})
+    text = rc._settings_text(s, "isofed")
+    assert "warmup_rounds 7" in text and semisup.INSTEAD["augment"] in text and semisup.INSTEAD["strong"] in text
+    assert "no random crop" not in text and "no random crop" in rc._settings_text(dict(semisup.CHECK), "isofed")
+
+
 def test_verdict_needs_both_criteria():
     import reference_check as rc
 

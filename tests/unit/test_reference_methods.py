@@ -386,21 +386,21 @@ def test_project_surgical_client_equals_the_reference_over_two_rounds(pos_weight
     assert not np.allclose(sent["fc.weight"][:2], start["fc.weight"][:2])
 
 
-def _scenario(root, sites):
-    """A tiny prepared scenario: ``sites`` = {name: [label, ...]} (-1 = unlabeled), 2 classes, 4x4 images."""
+def _scenario(root, sites, size=4):
+    """A tiny prepared scenario: ``sites`` = {name: [label, ...]} (-1 = unlabeled), 2 classes, size x size images."""
     import json
 
     import yaml
     from PIL import Image
 
     (root / "test").mkdir(parents=True)
-    Image.fromarray(np.zeros((4, 4), np.uint8)).save(root / "test" / "a.png")
+    Image.fromarray(np.zeros((size, size), np.uint8)).save(root / "test" / "a.png")
     (root / "test" / "datalist.json").write_text(json.dumps({"testing": [{"image": "a.png", "label": 0}]}))
     for name, labels in sites.items():
         (root / name).mkdir()
         items = []
         for i, y in enumerate(labels):
-            Image.fromarray(np.full((4, 4), 40 * i, np.uint8)).save(root / name / f"{i}.png")
+            Image.fromarray(np.full((size, size), 40 * i, np.uint8)).save(root / name / f"{i}.png")
             items.append({"image": f"{i}.png", "label": y})
         (root / name / "datalist.json").write_text(json.dumps({"training": items}))
         (root / name / "oracle.json").write_text(json.dumps({"training": [{**it, "label": 1} for it in items]}))
@@ -1146,3 +1146,55 @@ def test_reference_grey_rules_and_the_bundles_rule(tmp_path):
         grey(tmp_path / "c.png", "max")
     bundle = Ensure2DChannelsd("image", channels=1)({"image": torch.from_numpy(rgb).permute(2, 0, 1).float()})
     np.testing.assert_allclose(bundle["image"][0].numpy(), grey(tmp_path / "c.png", "mean"), atol=1e-4)
+
+
+def test_crop_hflip_is_a_crop_of_the_bundles_resize_at_every_offset():
+    """RSCFed's weak view (isofed_rscfed preset): each output is a 28 px window of MONAI's bilinear resize to 35 px,
+    mirrored or not, and every offset 0-7 occurs."""
+    from monai.transforms import Resize
+
+    x = torch.rand(64, 3, 28, 28, generator=torch.Generator().manual_seed(0))
+    big = torch.stack([torch.as_tensor(Resize((35, 35), mode="bilinear", anti_aliasing=False)(im)) for im in x])
+    gen = torch.Generator().manual_seed(1)
+    out = torch.cat([ref.crop_hflip(x, gen) for _ in range(4)])
+    assert out.shape == (256, 3, 28, 28)
+    offsets = set()
+    for i, o in enumerate(out):
+        b = big[i % 64]
+        hits = [(a, c, f) for a in range(8) for c in range(8) for f in (False, True)
+                if torch.allclose(torch.flip(o, dims=(2,)) if f else o, b[:, a:a + 28, c:c + 28], atol=1e-5)]
+        assert hits, f"case {i}: not a window of the resized image"
+        offsets |= {h[:2] for h in hits}
+    assert {a for a, _ in offsets} == set(range(8)) and {c for _, c in offsets} == set(range(8))
+
+
+def test_photometric_view_matches_the_bundles_transforms():
+    """The strong view's contrast is MONAI's AdjustContrast; its hole is one 7 x 7 square of zeros on 28 px."""
+    from monai.transforms import AdjustContrast
+
+    img = torch.rand(3, 28, 28, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    for gamma in (0.5, 1.3, 2.0):
+        np.testing.assert_allclose(ref.adjust_contrast(img, gamma).numpy(),
+                                   np.asarray(AdjustContrast(gamma)(img)), atol=1e-5)
+    x = torch.ones(200, 1, 28, 28)
+    out = ref.photometric(x, torch.Generator().manual_seed(3))
+    holes = [(o == 0).sum().item() for o in out]
+    assert set(holes) <= {0, 49} and 0.35 < np.mean([h == 49 for h in holes]) < 0.65  # p 0.5, one 7 x 7 hole
+    noisy = [not torch.allclose(o[o != 0], torch.ones(1)) for o in out]
+    assert 0.65 < np.mean(noisy) < 0.95  # noise with p 0.8 (a constant image has no contrast to change)
+
+
+def test_warmup_rounds_train_the_labeled_sites_alone(tmp_path, monkeypatch):
+    """While ``warmup_rounds`` last, IsoFed's reference is the labeled sites' wFedAvg, step for step; after them
+    the unlabeled sites train."""
+    _scenario(tmp_path / "d", {"site-1": [0, 1, 0, 1], "site-2": [-1, -1, -1], "site-3": [-1, -1, -1]}, size=28)
+    # "metrics": the global model's weights at each eval round
+    monkeypatch.setattr(ref, "test_metrics", lambda net, *a: {"w": torch.cat([p.detach().flatten() for p in net.parameters()])})
+    s = {"batch_size": 2, "pretrain_epochs": 1, "channels": 1, "log": lambda m: None}
+    warm = ref.run(tmp_path / "d", "isofed", 3, {2, 3}, warmup_rounds=2, **s)["metrics"]
+    alone = ref.run(tmp_path / "d", "wfedavg", 3, {1, 2, 3}, **s)["metrics"]
+    torch.testing.assert_close(warm[2]["w"], alone[2]["w"], rtol=0, atol=0)
+    assert not torch.equal(alone[1]["w"], alone[2]["w"])  # the labeled site trained in the warm-up rounds
+    assert not torch.allclose(warm[3]["w"], alone[3]["w"])  # round 3: IsoFed's unlabeled group trained first
+    assert ref.left_out({"warmup_rounds": 2})["warm_start"] == ref.INSTEAD["warm_start"]
+    assert ref.left_out(ref.CHECK) == ref.LEFT_OUT
