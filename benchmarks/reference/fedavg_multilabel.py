@@ -125,6 +125,18 @@ def load_scenario(data: Path, scaling: str, labels: str = "datalist.json", grey_
     return scenario["classes"], sites, test
 
 
+# what the FedAvg-style references do with a site annotating no class (annotating), as their LEFT_OUT says it
+UNANNOTATED = {"unannotated_site": "a site annotating no class sits out every round (the papers' clients each "
+                                   "annotate some class; the project's sites abstain likewise)"}
+
+
+def annotating(sites: list) -> list:
+    """The sites that annotate some class (a label >= 0). FedMLP's and FedPSL's clients each annotate some class, so
+    the papers say nothing of a site annotating none; the FedAvg-style references let it sit out every round (the
+    shared rounds average the others), a stated choice."""
+    return [(x, y) for x, y in sites if bool((y >= 0).any())]
+
+
 def batcher(gen: torch.Generator, batch_size: int, smallest: int = 2):
     """Each epoch's batches of case indices, shuffled by ``gen``; a last batch under ``smallest`` cases is dropped
     (batch norm cannot train on one case)."""

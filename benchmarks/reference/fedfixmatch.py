@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from . import fedmlp, partial_fedavg
+from . import fedavg_multilabel, fedmlp, partial_fedavg
 from .surgical import partial_bce
 
 _CODE = "released code utils/local_training.py train_FixMatch"
@@ -38,7 +38,7 @@ PAPER = {**{key: partial_fedavg.PAPER[key] for key in ("lr", "batch_size", "epoc
          "confidence": (0.8, f"{_CODE}: a case is kept when every negative (missing) class has p > 0.8 or p < 0.2"),
          "lambda_u": (1.0, f"{_CODE}: loss = loss_sup + 1. * loss_unsup")}
 CHECK = {key: value for key, (value, _) in PAPER.items() if key != "rounds"}
-LEFT_OUT = {**fedmlp.LEFT_OUT,
+LEFT_OUT = {**fedmlp.LEFT_OUT, **fedavg_multilabel.UNANNOTATED,
             "views": "the bundle's weak view and its strong view (the weak view further changed: contrast, Gaussian "
                      "noise, a dropped square), not the released code's weak transforms and RandAugment",
             "unsup_weight": "the unsupervised BCE weighs no class (the released code weighs its positives by a "
@@ -72,9 +72,10 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 3e-5, batch_s
     """FedFixMatch over a prepared partial-label scenario (label -1: not annotated). Test metric: the mean
     one-vs-rest AUROC of the global model on the pooled test split."""
     from . import fedavg
-    from .fedavg_multilabel import ResNet18, augment, load_scenario, macro_auroc
+    from .fedavg_multilabel import ResNet18, annotating, augment, load_scenario, macro_auroc
 
     classes, sites, test = load_scenario(Path(data), scaling, grey_rule=grey)
+    sites = annotating(sites)  # a site annotating no class sits out
     weights = [partial_fedavg.class_weights(y, pos_weight) for _, y in sites]
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)

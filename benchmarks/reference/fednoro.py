@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from . import fedmlp, partial_fedavg
+from . import fedavg_multilabel, fedmlp, partial_fedavg
 from .surgical import partial_bce
 
 _OPTIONS = "released code utils/options.py"
@@ -38,7 +38,7 @@ PAPER = {**{key: partial_fedavg.PAPER[key] for key in ("lr", "batch_size", "epoc
          "rampup_begin": (10, f"{_OPTIONS} --begin default 10"),
          "rampup_end": (499, f"{_OPTIONS} --end default 499 (of its 500 rounds)")}
 CHECK = {key: value for key, (value, _) in PAPER.items() if key != "rounds"}
-LEFT_OUT = {**fedmlp.LEFT_OUT,
+LEFT_OUT = {**fedmlp.LEFT_OUT, **fedavg_multilabel.UNANNOTATED,
             "detection": "FedNoRo's noisy-site detection and distance-aware aggregation are not run, as in the "
                          "released code's comparison (plain FedAvg every round)"}
 del LEFT_OUT["views"]  # one view
@@ -88,10 +88,11 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 3e-5, batch_s
     one-vs-rest AUROC of the global model on the pooled test split. ``grey``: how colour images become grey
     (``fedavg_multilabel.grey``); ``augment=False`` trains on the images as loaded (a diagnostic)."""
     from . import fedavg
-    from .fedavg_multilabel import ResNet18, load_scenario, macro_auroc
+    from .fedavg_multilabel import ResNet18, annotating, load_scenario, macro_auroc
     from .fedavg_multilabel import augment as weak
 
     classes, sites, test = load_scenario(Path(data), scaling, grey_rule=grey)
+    sites = annotating(sites)  # a site annotating no class sits out
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     start, loss = rule([partial_fedavg.class_weights(y, pos_weight) for _, y in sites], kd_weight, temperature,

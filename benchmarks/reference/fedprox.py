@@ -13,7 +13,7 @@ Training settings (``PAPER``): FedPSL's for all methods (Sec. VII-D3), the same 
 
 from __future__ import annotations
 
-from . import fedpsl
+from . import fedavg_multilabel, fedpsl
 
 # (value, source)
 PAPER = {**{key: fedpsl.PAPER[key] for key in ("lr", "epochs", "rounds", "batch_size", "carry_optimizer")},
@@ -22,7 +22,7 @@ PAPER = {**{key: fedpsl.PAPER[key] for key in ("lr", "epochs", "rounds", "batch_
 # What both sides train with in benchmarks/reference_check.py --rows fedprox; the network, the input and the
 # augmentation are the check's preset's.
 CHECK = {key: value for key, (value, _) in PAPER.items() if key != "rounds"}
-LEFT_OUT = {**{key: fedpsl.LEFT_OUT[key] for key in ("network", "input", "rounds")},
+LEFT_OUT = {**{key: fedpsl.LEFT_OUT[key] for key in ("network", "input", "rounds")}, **fedavg_multilabel.UNANNOTATED,
             "shared_weights": "the paper aggregates 'only the shared weights' without naming them; both sides "
                               "average every tensor, as its FedAVG baseline's FedAvg [13] does"}
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from . import fedmlp
+from . import fedavg_multilabel, fedmlp
 from .surgical import partial_bce
 
 # (value, source): FedMLP's settings are for "all comparison methods" (Sec. 3.1.3), so the shared ones are its
@@ -37,7 +37,7 @@ PAPER = {**{key: fedmlp.PAPER[key] for key in ("lr", "batch_size", "epochs", "ro
 # What both sides train with in benchmarks/reference_check.py --rows fedavg,fedavg_pl: the paper's values; the
 # network, the input and the augmentation are the check's preset's.
 CHECK = {key: value for key, (value, _) in PAPER.items() if key != "rounds"}
-LEFT_OUT = {**fedmlp.LEFT_OUT,
+LEFT_OUT = {**fedmlp.LEFT_OUT, **fedavg_multilabel.UNANNOTATED,
             "input": "the preset's scaling (the section names it) and its weak augmentation (an affine and a contrast "
                      "change), not the released code's ImageNet normalisation and transforms at 224 px"}
 del LEFT_OUT["views"]  # the baselines train on one view
@@ -75,10 +75,11 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, partial: bool = True, lr:
     ``augment=False`` trains on the images as loaded (a diagnostic: ``reference_check.py --no-augmentation``);
     ``grey``: how colour images become grey (``fedavg_multilabel.grey``; ``reference_check.py --reference-grey``)."""
     from . import fedavg
-    from .fedavg_multilabel import ResNet18, load_scenario, macro_auroc
+    from .fedavg_multilabel import ResNet18, annotating, load_scenario, macro_auroc
     from .fedavg_multilabel import augment as weak
 
     classes, sites, test = load_scenario(Path(data), scaling, grey_rule=grey)
+    sites = annotating(sites)  # a site annotating no class sits out
     weights = [class_weights(y, pos_weight) for _, y in sites]
     loss_fn = partial_loss if partial else naive_loss
     torch.manual_seed(seed)

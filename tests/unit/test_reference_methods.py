@@ -1198,3 +1198,31 @@ def test_warmup_rounds_train_the_labeled_sites_alone(tmp_path, monkeypatch):
     assert not torch.allclose(warm[3]["w"], alone[3]["w"])  # round 3: IsoFed's unlabeled group trained first
     assert ref.left_out({"warmup_rounds": 2})["warm_start"] == ref.INSTEAD["warm_start"]
     assert ref.left_out(ref.CHECK) == ref.LEFT_OUT
+
+
+@pytest.mark.parametrize("name", ["partial_fedavg", "fedfixmatch", "fednoro"])
+def test_a_site_annotating_no_class_sits_out(tmp_path, name):
+    """The mixed protocol's site annotating nothing: the FedAvg-style references train as if it were not there
+    (the project's sites abstain likewise)."""
+    import importlib
+    import json
+    import shutil
+
+    import yaml
+    from fedlabels.data.synthetic import generate
+
+    module = importlib.import_module(f"reference.{name}")
+    data = generate("cxr", tmp_path / "cxr", seed=0, size=16, cases=10, test_cases=30)
+    blank = tmp_path / "blank"
+    shutil.copytree(data, blank)
+    scenario = yaml.safe_load((data / "scenario.yaml").read_text())
+    last = scenario["sites"][-1]
+    items = json.loads((blank / last / "datalist.json").read_text())
+    for it in items["training"]:
+        it["label"] = [-1] * len(it["label"])
+    (blank / last / "datalist.json").write_text(json.dumps(items))
+    (data / "scenario.yaml").write_text(yaml.safe_dump({**scenario, "sites": scenario["sites"][:-1]}))
+    kw = {"batch_size": 8, "log": lambda m: None}
+    without, blanked = (module.run(d, 2, {2}, **kw)["metrics"][2] for d in (data, blank))
+    assert without == blanked
+    assert module.LEFT_OUT["unannotated_site"]
