@@ -258,11 +258,13 @@ def sharpen(p: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def im_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Eq. 4 (information maximisation): mean over cases of H(p_i) minus H(mean_i p_i)."""
+    """Eq. 4 (information maximisation): mean over cases of H(p_i) minus H(mean_i p_i). A class no case gives any
+    probability (p_bar exactly 0 in float32) adds 0 log 0 = 0: its log's argument is floored at 1e-12, so neither
+    the loss nor its gradient is nan."""
     p = torch.softmax(logits, 1)
     per_case = -(p * torch.log_softmax(logits, 1)).sum(1).mean()
     p_bar = p.mean(0)
-    return per_case + (p_bar * torch.log(p_bar)).sum()
+    return per_case + (p_bar * torch.log(p_bar.clamp(min=1e-12))).sum()
 
 
 def consistency(teacher_probs: torch.Tensor, student_probs: torch.Tensor) -> torch.Tensor:

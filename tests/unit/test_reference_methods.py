@@ -1226,3 +1226,17 @@ def test_a_site_annotating_no_class_sits_out(tmp_path, name):
     without, blanked = (module.run(d, 2, {2}, **kw)["metrics"][2] for d in (data, blank))
     assert without == blanked
     assert module.LEFT_OUT["unannotated_site"]
+
+
+def test_im_loss_stays_finite_when_a_class_gets_no_probability():
+    """A collapsed model gives a class probability 0 in float32; 0 log 0 counts 0 and the gradient stays finite
+    (the reference's sites turned non-finite on BloodMNIST gamma 0.8 before this)."""
+    logits = torch.tensor([[200.0, 0.0, 0.0], [150.0, 0.0, 0.0]], requires_grad=True)
+    loss = ref.im_loss(logits)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logits.grad).all()
+    assert float(loss) == pytest.approx(0.0, abs=1e-6)  # every case certain of class 0: both entropies 0
+    x = torch.tensor([[1.0, 2.0, 0.5], [0.3, -1.0, 2.0]])
+    p = torch.softmax(x, 1)
+    by_hand = -(p * p.log()).sum(1).mean() + (p.mean(0) * p.mean(0).log()).sum()
+    assert float(ref.im_loss(x)) == pytest.approx(float(by_hand), rel=1e-6)
