@@ -665,10 +665,20 @@ COVERAGE = [
     ("`isofed` preset, PneumoniaMNIST / BloodMNIST, every L:U and gamma (`isofed-preset`, `isofed-pretraining`)",
      "`oracle:fedavg` with the preset on PneumoniaMNIST gamma 0.8 and BloodMNIST gamma 0.5 (two training seeds per "
      "split). The `oracle:wfedavg`, `isofed`, `isofed_nopt`, `mt_wfedavg` and `rscfed` rows against the method "
-     "references on PneumoniaMNIST gamma 0.8 and 0.5 and BloodMNIST gamma 0.5, 1 labeled : 3 unlabeled, each with "
+     "references on PneumoniaMNIST and BloodMNIST, gamma 0.8 and 0.5, 1 labeled : 3 unlabeled, each with "
      "the reference's settings (RSCFed's released values where the project can express them), not with the "
-     "preset's Adam 1e-3; BloodMNIST gamma 0.8, the other L:U, and every row with the preset's settings "
-     "unchecked"),
+     "preset's Adam 1e-3; the other L:U, and every row with the preset's settings unchecked"),
+    ("`isofed-rscfed` (the `isofed_rscfed` preset on RSCFed's split, 1 labeled : 3 unlabeled, 60 rounds)",
+     "on PneumoniaMNIST, both gamma, the plan's splits 0-2: `oracle:wfedavg` and `isofed` against the method "
+     "reference with the published rows' settings (the preset's resize-crop-flip and strong view, 7 labeled-only "
+     "warm-up rounds, lambda_c 100; `pneumoniamnist-rscfed-*`); `mt_wfedavg` and `rscfed` unchecked (the preset's "
+     "labeled multiplier 6 also weighs the average its distances are taken from, which RSCFed's code does not, "
+     "docs/methods/isofed.md; the reference has no multiplier); the floor rows and BloodMNIST unchecked"),
+    ("`mixed` (BloodMNIST: every class / a half / the other half / none)",
+     "`fedavg`, `fedavg_pl`, `fedprox`, `fedfixmatch` and `fednoro` against their references with the published "
+     "rows' settings (the `fedmlp_blood` preset's; FedNoRo's default ramp), splits 0-2 (`bloodmnist-mixed-*`); the "
+     "upper bound (`oracle:fedavg_pl`), `surgical`, `fedpsl`, `fedmlp`, `rscfed_pl`, `composed` and its "
+     "ablations, and the floor unchecked"),
     ("`partial_label_study` (embedded chest X-rays; BloodMNIST with per-image min-max scaling)",
      "on BloodMNIST with the study's settings (per-image min-max scaling, Adam 1e-3 kept across rounds, batch 16, "
      "5 local epochs, N_neg / N_pos weighting, ResNet-18 width 0.25 at 32 px; its scoring points, 80-960 local steps "
