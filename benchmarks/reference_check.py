@@ -891,14 +891,17 @@ def _methods_section(label, preset, cs_all, tolerance) -> list:
                 lines.append(line)
         lines.append("")
     lines += _tags_lines(cs_all) + _reference_spread_lines(cs_all, metric)
-    lost = []
-    for c in sorted(cs_all, key=lambda c: (list(METHOD_ROWS).index(c["row"]), c["seed"])):
-        by_site = {}
-        for rnd, names in (c["reference_run"].get("dropped") or {}).items():
+    def by_site(dropped: dict) -> str:
+        """{round: [site, ...]} as "site in n round(s), first-last" per site."""
+        rounds = {}
+        for rnd, names in (dropped or {}).items():
             for name in names:
-                by_site.setdefault(name, []).append(int(rnd))
-        lost += [f"`{c['row']}` split {c['seed']}: {name} in {len(r)} round(s), {min(r)}-{max(r)}"
-                 for name, r in sorted(by_site.items())]
+                rounds.setdefault(name, []).append(int(rnd))
+        return ", ".join(f"{name} in {len(r)} round(s), {min(r)}-{max(r)}" for name, r in sorted(rounds.items()))
+
+    cs_sorted = sorted(cs_all, key=lambda c: (list(METHOD_ROWS).index(c["row"]), c["seed"]))
+    lost = [f"`{c['row']}` split {c['seed']}: {by_site(c['reference_run'].get('dropped'))}"
+            for c in cs_sorted if c["reference_run"].get("dropped")]
     if all("dropped" in c["reference_run"] for c in cs_all):
         lines += ["Reference sites whose trained model was not finite, left out of their group's aggregate (the "
                   "reference's rule): " + ("; ".join(lost) if lost else "none") + ".", ""]
@@ -906,9 +909,8 @@ def _methods_section(label, preset, cs_all, tolerance) -> list:
         lines += ["Reference sites whose trained model was not finite: not recorded (this reference has no rule "
                   "for them).", ""]
     if all("dropped" in p for c in cs_all for p in c["projects"]):
-        gone = [f"`{c['row']}` split {c['seed']} seed {p['train_seed']}: rounds "
-                + ", ".join(f"{r} ({', '.join(s)})" for r, s in sorted(p["dropped"].items(), key=lambda x: int(x[0])))
-                for c in cs_all for p in c["projects"] if p["dropped"]]
+        gone = [f"`{c['row']}` split {c['seed']} seed {p['train_seed']}: {by_site(p['dropped'])}"
+                for c in cs_sorted for p in c["projects"] if p["dropped"]]
         lines += ["Project sites its round engine dropped or that abstained: " + ("; ".join(gone) or "none") + ".", ""]
     else:
         lines += ["Project sites dropped by its round engine: not recorded in these cells.", ""]

@@ -539,3 +539,23 @@ def test_every_multilabel_reference_reads_colour_as_the_bundles_do_unless_told(t
         with pytest.raises(RuntimeError, match="loaded"):
             rc.compare_methods("fedmlp_blood", row, tmp_path, 0, 1, [1], tmp_path / "work", grey=grey)
         assert seen.pop() == expect
+
+
+def test_sections_list_dropped_sites_by_site_and_rounds():
+    """A site out of many rounds reads as one entry per site ("site-4 in 3 round(s), 1-3"), on either side."""
+    import json
+
+    import reference_check as rc
+
+    def run(dropped):
+        return {"metrics": {"1": {"auroc": 0.8}, "3": {"auroc": 0.9}}, "seconds": [1.0, 1.0], "dropped": dropped}
+
+    cells = [{"kind": "methods", "label": "x", "preset": "fedmlp_blood", "row": "fedavg", "metric": "auroc",
+              "seed": s, "reference": json.loads(json.dumps(rc.method_reference("fedavg").CHECK)),
+              "projects": [{**run({"1": ["site-4"], "2": ["site-4"], "3": ["site-4", "site-2"]}), "train_seed": s},
+                           {**run({}), "train_seed": s + 1000}],
+              "reference_run": run({"2": ["site-3"]}), "reference_grey": "mean"} for s in (0, 1)]
+    text = "\n".join(rc._methods_section("x", "fedmlp_blood", cells, rc.TOLERANCE))
+    assert "`fedavg` split 0 seed 0: site-2 in 1 round(s), 3-3, site-4 in 3 round(s), 1-3;" in text
+    assert "seed 1000" not in text.split("Project sites")[1].split("\n")[0]  # a run that dropped none is not listed
+    assert "`fedavg` split 1: site-3 in 1 round(s), 2-2." in text
