@@ -147,7 +147,11 @@ def reference_settings(preset: str, fedavg_loop: bool = True) -> dict:
                              "(the method references do: --rows)")
         if fedavg_loop and p.client.get("weight_decay", 0.0):
             raise ValueError(f"{where}: field 'federated.client.weight_decay': the classification reference has none")
-        return {**common, "scaling": scaling, "augment": augment}
+        if fedavg_loop:
+            return {**common, "scaling": scaling, "augment": augment}
+        # the student's view, as the method references name it (None: one they have no equivalent of)
+        strong = "photometric" if cfg["train"].get("strong_random_transforms") == PHOTOMETRIC else None
+        return {**common, "scaling": scaling, "augment": augment, "strong": strong}
     if kind == "segmentation":
         return {**common, "weight_decay": p.client.get("weight_decay", 0.0)}
     widen = cfg["network_def"].get("widen_factor")  # a preset may narrow the ResNet-18 (MONAI's widen_factor)
@@ -396,13 +400,9 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         if bundle[key] != s[key]:
             raise ValueError(f"the {preset} preset's {key} is {bundle[key]!r}, the reference's {s[key]!r}")
     if s["strong"] == "photometric":
-        from fedlabels import presets
-        from fedlabels.bundle import read
-
-        strong = read(presets.load(preset).bundle, "", preset=preset, class_names=["a"])["train"]["strong_random_transforms"]
-        if strong != PHOTOMETRIC:
+        if bundle["strong"] != "photometric":
             raise ValueError(f"strong view 'photometric': the {preset} preset's train#strong_random_transforms is "
-                             f"{strong}, not the reference's")
+                             "not the reference's")
     elif s["strong"] != "hflip":
         raise ValueError(f"strong view {s['strong']!r}: the check has the project's equivalent of 'hflip' and "
                          "'photometric' only")

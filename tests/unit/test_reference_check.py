@@ -199,6 +199,7 @@ def test_the_released_code_preset_rows_get_its_views_and_warm_start(tmp_path):
     from reference import semisup
 
     assert rc.reference_settings("isofed_rscfed", fedavg_loop=False)["augment"] == "crop_hflip"
+    assert rc.reference_settings("isofed_rscfed", fedavg_loop=False)["strong"] == "photometric"
     with pytest.raises(ValueError, match="fresh Adam"):  # the FedAvg loop cannot run this preset
         rc.reference_settings("isofed_rscfed")
     with pytest.raises(SystemExit, match="--preset isofed_rscfed: .*isofed_rscfed.json.*fresh Adam"):
