@@ -358,7 +358,7 @@ def verdict(a: dict, b: dict) -> str:
 METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False), "isofed_nopt": ("isofed_nopt", False),
                "surgical": ("surgical", False), "fedmlp": ("fedmlp", False),
                "fedpsl": ("fedpsl", False), "fedpsl_tdma": ("fedpsl", False), "fedpsl_tadl": ("fedpsl", False),
-               "fedavg": ("fedavg", False), "fedavg_pl": ("fedavg_pl", False),
+               "fedavg": ("fedavg", False), "fedavg_pl": ("fedavg_pl", False), "oracle:fedavg_pl": ("fedavg_pl", True),
                "fedprox": ("fedprox", False), "fedfixmatch": ("fedfixmatch", False),
                "fednoro": ("fednoro", False),
                "mt_wfedavg": ("mt_wfedavg", False), "rscfed": ("rscfed", False), "fedmix": ("fedmix", False),
@@ -366,7 +366,8 @@ METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False),
 # the kind of preset each row's reference trains (the others: classification)
 ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multilabel", "fedpsl_tdma": "multilabel",
             "fedpsl_tadl": "multilabel", "fedavg": "multilabel",
-            "fedavg_pl": "multilabel", "fedprox": "multilabel", "fedfixmatch": "multilabel", "fednoro": "multilabel",
+            "fedavg_pl": "multilabel", "oracle:fedavg_pl": "multilabel", "fedprox": "multilabel",
+            "fedfixmatch": "multilabel", "fednoro": "multilabel",
             "fedmix": "segmentation",
             "oracle:fedadaptagg": "segmentation"}
 SEED_OFFSET = 1000  # the project's second training seed on split s is s + SEED_OFFSET
@@ -389,7 +390,7 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         return fedmlp_settings(preset, s)
     if row in FEDPSL_ABLATIONS:
         return fedpsl_settings(preset, s, row)
-    if row in ("fedavg", "fedavg_pl", "fedprox", "fedfixmatch", "fednoro"):
+    if row in ("fedavg", "fedavg_pl", "oracle:fedavg_pl", "fedprox", "fedfixmatch", "fednoro"):
         return partial_fedavg_settings(preset, row, s)
     if ROW_KIND.get(row) == "segmentation":
         return fedmix_settings(preset, row, s)
@@ -529,6 +530,7 @@ def method_reference(row: str):
     return {"surgical": surgical, "fedmlp": fedmlp, "fedpsl": fedpsl, "fedpsl_tdma": fedpsl, "fedpsl_tadl": fedpsl,
             "fedmix": fedmix,
             "oracle:fedadaptagg": fedmix, "fedavg": partial_fedavg, "fedavg_pl": partial_fedavg,
+            "oracle:fedavg_pl": partial_fedavg,
             "fedprox": fedprox, "fedfixmatch": fedfixmatch,
             "fednoro": fednoro}.get(row, semisup)  # semisup: IsoFed, MT+wFedAvg, RSCFed and wFedAvg
 
@@ -580,7 +582,7 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
     # the multi-label references read the preset's network width and scaling, as the FedAvg check does
     if multilabel:
         bundle = reference_settings(preset)
-        extra = ({"partial": row == "fedavg_pl", "augment": augment} if reference is partial_fedavg else
+        extra = ({"partial": row != "fedavg", "augment": augment, "oracle": oracle} if reference is partial_fedavg else
                  {"augment": augment} if reference is fednoro else
                  dict(zip(("local", "aggregation"), FEDPSL_ABLATIONS[row])) if row in FEDPSL_ABLATIONS else {})
         extra["grey"] = grey

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from .fedavg_multilabel import UNANNOTATED
 from .surgical import features
 
 # (value, source): the paper's, or the released code's where the paper prints none.
@@ -82,6 +83,7 @@ LEFT_OUT = {
     "views": "the bundle's two views (the weak affine and contrast change; the strong view adds a contrast change, "
              "Gaussian noise and a dropped square), not the released code's transforms",
     "rounds": "the check's budget",
+    **UNANNOTATED,
 }
 
 
@@ -277,11 +279,12 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 3e-5, batch_s
         log=print) -> dict:
     """FedMLP over a prepared partial-label scenario (label -1: not annotated). Test metric: the mean
     one-vs-rest AUROC of the global model on the pooled test split."""
-    from .fedavg_multilabel import ResNet18, augment, batcher, load_scenario, macro_auroc
+    from .fedavg_multilabel import ResNet18, annotating, augment, batcher, load_scenario, macro_auroc
 
     if degree_sites not in ("missing", "annotating"):
         raise ValueError(f"degree_sites {degree_sites!r}: 'missing' or 'annotating'")
     classes, loaded, test = load_scenario(Path(data), scaling, grey_rule=grey)
+    loaded = annotating(loaded)  # a site annotating no class sits out
     n_classes = len(classes)
     sites = [Site(x, y, logit_adjustment, missing_prior) for x, y in loaded]
     sizes = [len(s.y) for s in sites]

@@ -366,6 +366,23 @@ def test_the_fedavg_rows_get_the_references_settings_as_options_the_method_takes
         rc.project_settings("isofed", row, dict(partial_fedavg.CHECK))
 
 
+def test_the_upper_bound_row_gets_fedavg_pls_options_and_its_reference_reads_every_label():
+    """``oracle:fedavg_pl`` (the mixed federation's upper bound) is FedAvg-PL with every site on every label: the
+    project row is given the options under its own name, and the reference reads each site's ``oracle.json``."""
+    import reference_check as rc
+    from fedlabels.bench.plan import parse_opts
+    from reference import partial_fedavg
+
+    assert rc.METHOD_ROWS["oracle:fedavg_pl"] == ("fedavg_pl", True)
+    assert rc.method_reference("oracle:fedavg_pl") is partial_fedavg
+    got = rc.project_settings("fedmlp_blood", "oracle:fedavg_pl", dict(partial_fedavg.CHECK))
+    parsed = parse_opts(got["opts"])
+    assert {target for target, _, _ in parsed} == {"oracle:fedavg_pl"}
+    assert {key: value for _, key, value in parsed} == {"optimizer": "adam", "lr": 3e-5, "weight_decay": 5e-4,
+                                                       "reset_optimizer": True, "pos_weighted": False,
+                                                       "weighted": True}
+
+
 def test_the_fedprox_row_gets_the_references_settings_as_options_the_method_takes():
     import reference_check as rc
     from fedlabels.methods import get
@@ -516,7 +533,7 @@ def test_fednoro_reference_trains_unaugmented_when_told(tmp_path, monkeypatch):
         fednoro.run(data, 1, {1}, batch_size=8, log=lambda m: None)
 
 
-MULTILABEL_ROWS = ["fedavg", "fedavg_pl", "fedprox", "surgical", "fedmlp", "fedpsl", "fedpsl_tdma", "fedpsl_tadl",
+MULTILABEL_ROWS = ["fedavg", "fedavg_pl", "oracle:fedavg_pl", "fedprox", "surgical", "fedmlp", "fedpsl", "fedpsl_tdma", "fedpsl_tadl",
                    "fedfixmatch", "fednoro"]
 
 

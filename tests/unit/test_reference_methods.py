@@ -1200,9 +1200,9 @@ def test_warmup_rounds_train_the_labeled_sites_alone(tmp_path, monkeypatch):
     assert ref.left_out(ref.CHECK) == ref.LEFT_OUT
 
 
-@pytest.mark.parametrize("name", ["partial_fedavg", "fedfixmatch", "fednoro"])
+@pytest.mark.parametrize("name", ["partial_fedavg", "fedfixmatch", "fednoro", "surgical", "fedmlp", "fedpsl"])
 def test_a_site_annotating_no_class_sits_out(tmp_path, name):
-    """The mixed protocol's site annotating nothing: the FedAvg-style references train as if it were not there
+    """The mixed protocol's site annotating nothing: the multi-label references train as if it were not there
     (the project's sites abstain likewise)."""
     import importlib
     import json
@@ -1226,6 +1226,26 @@ def test_a_site_annotating_no_class_sits_out(tmp_path, name):
     without, blanked = (module.run(d, 2, {2}, **kw)["metrics"][2] for d in (data, blank))
     assert without == blanked
     assert module.LEFT_OUT["unannotated_site"]
+
+
+def test_the_upper_bound_reference_trains_on_every_sites_oracle_labels(tmp_path):
+    """``partial_fedavg.run(oracle=True)``: the same run as a scenario whose sites were given their oracle labels,
+    and not the run on the partial ones."""
+    import shutil
+
+    from fedlabels.data.synthetic import generate
+    from reference import partial_fedavg
+
+    data = generate("cxr", tmp_path / "cxr", seed=0, size=16, cases=10, test_cases=30)
+    full = tmp_path / "full"
+    shutil.copytree(data, full)
+    for site in full.iterdir():
+        if (site / "oracle.json").exists():
+            shutil.copy(site / "oracle.json", site / "datalist.json")
+    kw = {"batch_size": 8, "log": lambda m: None}
+    oracle = partial_fedavg.run(data, 2, {2}, oracle=True, **kw)["metrics"][2]
+    assert oracle == partial_fedavg.run(full, 2, {2}, **kw)["metrics"][2]
+    assert oracle != partial_fedavg.run(data, 2, {2}, **kw)["metrics"][2]
 
 
 def test_im_loss_stays_finite_when_a_class_gets_no_probability():
