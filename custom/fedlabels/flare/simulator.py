@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -15,23 +16,31 @@ from pathlib import Path
 # site's identity and cannot find its app (seen at start-up with several
 # sites on a busy machine). The server then waits for that site for ever.
 LOST_SITE = "Can not find client_script.py"
+# What its runner logs when a site's worker process dies or drops its connection. Before the site was ever
+# given a task (seen at start-up: "Connection reset by peer") the server waits for it for ever too; after it,
+# the site crashed mid-run, which the round engine survives (the fault drill's crash).
+SITE_DIED = re.compile(rb"(?:Communication error with|Subprocess died for) client ([\w.-]+)")
+ASSIGNED = re.compile(rb"assigned task to client ([\w.-]+)")
+# How long a run may go on after a site died before its first task: a run that is ending exits within it.
+DIED_GRACE = 60.0
 
 
 class SiteLostAtStartup(RuntimeError):
     """A simulated site never started; the run cannot finish."""
 
 
-def run_watched(cmd, env, log: Path, timeout=None, poll=1.0) -> int:
+def run_watched(cmd, env, log: Path, timeout=None, poll=1.0, grace=DIED_GRACE) -> int:
     """Run ``cmd`` in its own process group, output appended to ``log``.
 
     Kills the group and raises ``SiteLostAtStartup`` as soon as the log shows
-    a lost site, ``RuntimeError`` when ``timeout`` seconds pass; otherwise
-    returns the exit code.
+    a lost site, or ``grace`` seconds after it shows a site's worker dying
+    before its first task; ``RuntimeError`` when ``timeout`` seconds pass;
+    otherwise returns the exit code.
     """
     log = Path(log)
     # Watch only what this run appends: a retry appends to the log of the attempt it replaces.
-    start, seen, marker = time.time(), (log.stat().st_size if log.exists() else 0), LOST_SITE.encode()
-    start_size = seen
+    start, seen = time.time(), (log.stat().st_size if log.exists() else 0)
+    partial, tasked, died = b"", set(), None  # died: (site, when) of a worker lost before its first task
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -40,12 +49,20 @@ def run_watched(cmd, env, log: Path, timeout=None, poll=1.0) -> int:
                     return proc.wait(timeout=poll)
                 except subprocess.TimeoutExpired:
                     pass
-                with open(log, "rb") as f:  # what was added since the last look (and a marker's length before)
-                    f.seek(max(start_size, seen - len(marker)))
-                    chunk = f.read()
+                with open(log, "rb") as f:  # whole lines added since the last look
+                    f.seek(seen)
+                    *lines, partial = (partial + f.read()).split(b"\n")
                     seen = f.tell()
-                if marker in chunk:
-                    raise SiteLostAtStartup(f"a site worker was lost at start-up ({LOST_SITE!r}); see {log}")
+                for line in lines:
+                    if LOST_SITE.encode() in line:
+                        raise SiteLostAtStartup(f"a site worker was lost at start-up ({LOST_SITE!r}); see {log}")
+                    if m := ASSIGNED.search(line):
+                        tasked.add(m.group(1))
+                    elif (m := SITE_DIED.search(line)) and m.group(1) not in tasked and died is None:
+                        died = (m.group(1).decode(), time.time())
+                if died and time.time() - died[1] > grace:
+                    raise SiteLostAtStartup(f"the worker of {died[0]} died before its first task and the run did "
+                                            f"not end; see {log}")
                 if timeout is not None and time.time() - start > timeout:
                     raise RuntimeError(f"did not finish within {timeout} s; see {log}")
         except BaseException:
@@ -83,7 +100,8 @@ def simulate(job_dir, workspace, sites: int, data=None, threads=None, log=None, 
 
     The simulator's exit code does not say whether training finished (it is 0
     when sites die at start-up), so success is the controller's progress file.
-    A site lost at start-up (``LOST_SITE`` in the log) is retried ``retries``
+    A site lost at start-up (``LOST_SITE`` in the log, or its worker dying
+    before its first task: ``run_watched``) is retried ``retries``
     times (the simulator empties its workspace when it starts); ``timeout``
     (seconds) bounds each attempt. The simulator's output goes to ``log``
     (default: ``WORKSPACE.log`` beside the workspace). ``threads``: simulator
