@@ -168,7 +168,9 @@ def project_cell(preset: str, data: Path, seed: int, rounds: int, eval_rounds: l
     (initialisation, sampling, augmentation); ``data`` is the one prepared split it trains on."""
     from fedlabels import bench
 
-    args = SimpleNamespace(data=str(data), bundle=None, methods=method, seeds=str(seed), rounds=rounds,
+    floor = method.startswith(f"{bench.FLOOR}:")  # a floor row: the plan of any method carries it
+    args = SimpleNamespace(data=str(data), bundle=None, methods="fedavg_pl" if floor else method, seeds=str(seed),
+                           rounds=rounds,
                            local_epochs=local_epochs, opt=list(opts or []) or None,
                            eval_rounds=",".join(map(str, eval_rounds)),
                            engine="inprocess", synth=None, batch_size=batch_size, image_size=image_size,
@@ -194,10 +196,15 @@ def project_cell(preset: str, data: Path, seed: int, rounds: int, eval_rounds: l
             validating[0] += time.perf_counter() - t0
 
     site.validate_task = timed
+    t0 = time.perf_counter()
     try:
-        out = bench.run_federated_inprocess(plan, bench.Cell(method, seed), scorer, lambda m: None)
+        if floor:
+            out = bench.run_floor(plan, bench.Cell(method, seed, method.split(":", 1)[1]), scorer, lambda m: None)
+        else:
+            out = bench.run_federated_inprocess(plan, bench.Cell(method, seed), scorer, lambda m: None)
     finally:
         site.validate_task = validate
+    elapsed = time.perf_counter() - t0
     metrics = {}
     for r in out["rows"]:
         if r["model"] != "last" or r["group"] != bench.POOLED:
@@ -211,7 +218,8 @@ def project_cell(preset: str, data: Path, seed: int, rounds: int, eval_rounds: l
         metrics[r]["tags"] = tags
     for r, m in metrics.items():
         log(f"[project] {method} seed {seed} round {r}: {m}")
-    seconds = [rec["seconds"] for rec in out["records"]]
+    # the floor keeps no per-round records: its time is spread evenly over its epoch-rounds (scoring included)
+    seconds = [rec["seconds"] for rec in out["records"]] or [elapsed / rounds] * rounds
     # sites the round engine dropped (e.g. a non-finite update) or that abstained, per round (1-based)
     dropped = {str(rec["round"] + 1): sorted(set(rec.get("dropped") or {}) | set(rec.get("abstained") or []))
                for rec in out["records"] if rec.get("dropped") or rec.get("abstained")}
@@ -353,12 +361,16 @@ def verdict(a: dict, b: dict) -> str:
 
 # ---------------------------------------------------------------- the methods
 
+# the floor every table compares with, site-1 trained alone (fedlabels.bench.run_floor): its reference is FedAvg-PL's
+# on that site alone, one "round" per stretch between eval rounds
+FLOOR_ROW = "local:site-1"
 # a project row -> (the reference's method, every site from its full labels); the module of benchmarks/reference/
 # that implements each is method_reference's
 METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False), "isofed_nopt": ("isofed_nopt", False),
                "surgical": ("surgical", False), "fedmlp": ("fedmlp", False),
                "fedpsl": ("fedpsl", False), "fedpsl_tdma": ("fedpsl", False), "fedpsl_tadl": ("fedpsl", False),
                "fedavg": ("fedavg", False), "fedavg_pl": ("fedavg_pl", False), "oracle:fedavg_pl": ("fedavg_pl", True),
+               FLOOR_ROW: ("fedavg_pl", False),
                "fedprox": ("fedprox", False), "fedfixmatch": ("fedfixmatch", False),
                "fednoro": ("fednoro", False),
                "mt_wfedavg": ("mt_wfedavg", False), "rscfed": ("rscfed", False), "fedmix": ("fedmix", False),
@@ -366,7 +378,8 @@ METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False),
 # the kind of preset each row's reference trains (the others: classification)
 ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multilabel", "fedpsl_tdma": "multilabel",
             "fedpsl_tadl": "multilabel", "fedavg": "multilabel",
-            "fedavg_pl": "multilabel", "oracle:fedavg_pl": "multilabel", "fedprox": "multilabel",
+            "fedavg_pl": "multilabel", "oracle:fedavg_pl": "multilabel", FLOOR_ROW: "multilabel",
+            "fedprox": "multilabel",
             "fedfixmatch": "multilabel", "fednoro": "multilabel",
             "fedmix": "segmentation",
             "oracle:fedadaptagg": "segmentation"}
@@ -390,7 +403,7 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         return fedmlp_settings(preset, s)
     if row in FEDPSL_ABLATIONS:
         return fedpsl_settings(preset, s, row)
-    if row in ("fedavg", "fedavg_pl", "oracle:fedavg_pl", "fedprox", "fedfixmatch", "fednoro"):
+    if row in ("fedavg", "fedavg_pl", "oracle:fedavg_pl", FLOOR_ROW, "fedprox", "fedfixmatch", "fednoro"):
         return partial_fedavg_settings(preset, row, s)
     if ROW_KIND.get(row) == "segmentation":
         return fedmix_settings(preset, row, s)
@@ -500,8 +513,9 @@ def partial_fedavg_settings(preset: str, row: str, s: dict) -> dict:
         client |= {"confidence": s["confidence"], "lambda_u": s["lambda_u"]}
     if row == "fednoro":
         client |= {key: s[key] for key in ("kd_weight", "temperature", "rampup_begin", "rampup_end")}
-    server = {"weighted": True}  # FedAvg by case counts
-    opts = [f"{row}:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
+    server = {"weighted": True} if row != FLOOR_ROW else {}  # FedAvg by case counts; the floor has no server
+    target = "local" if row == FLOOR_ROW else row  # fedlabels bench's --opt local:key=value: the floor's client
+    opts = [f"{target}:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
 
 
@@ -530,14 +544,17 @@ def method_reference(row: str):
     return {"surgical": surgical, "fedmlp": fedmlp, "fedpsl": fedpsl, "fedpsl_tdma": fedpsl, "fedpsl_tadl": fedpsl,
             "fedmix": fedmix,
             "oracle:fedadaptagg": fedmix, "fedavg": partial_fedavg, "fedavg_pl": partial_fedavg,
-            "oracle:fedavg_pl": partial_fedavg,
+            "oracle:fedavg_pl": partial_fedavg, FLOOR_ROW: partial_fedavg,
             "fedprox": fedprox, "fedfixmatch": fedfixmatch,
             "fednoro": fednoro}.get(row, semisup)  # semisup: IsoFed, MT+wFedAvg, RSCFed and wFedAvg
 
 
 def refuse_options(row: str, augment: bool = True, grey: str | None = None, reference_runs: int = 1,
-                   widen: float | None = None) -> None:
+                   widen: float | None = None, eval_rounds: list | None = None) -> None:
     """Options ``row``'s reference cannot take, refused before anything trains (ValueError naming the option)."""
+    if row == FLOOR_ROW and eval_rounds and eval_rounds != [eval_rounds[0] * (i + 1) for i in range(len(eval_rounds))]:
+        raise ValueError(f"--eval-rounds {','.join(map(str, eval_rounds))}: the floor's reference trains one stretch "
+                         "per eval round, so they must be evenly spaced from the first (e.g. 10,20,30)")
     from reference import fednoro, partial_fedavg
 
     multilabel = ROW_KIND.get(row) == "multilabel"
@@ -564,7 +581,7 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
     width on both sides instead of the preset's."""
     from reference import fedmix, fednoro, partial_fedavg, semisup
 
-    refuse_options(row, augment, grey, reference_runs, widen)
+    refuse_options(row, augment, grey, reference_runs, widen, eval_rounds)
     reference = method_reference(row)
     multilabel = ROW_KIND.get(row) == "multilabel"
     grey = grey or "mean"  # the bundles' rule (Ensure2DChannelsd); cells before it was an option read luma
@@ -586,9 +603,16 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
                  {"augment": augment} if reference is fednoro else
                  dict(zip(("local", "aggregation"), FEDPSL_ABLATIONS[row])) if row in FEDPSL_ABLATIONS else {})
         extra["grey"] = grey
-        refs = [reference.run(data, rounds, set(eval_rounds), seed=split + k * SEED_OFFSET, log=log,
-                              scaling=bundle["scaling"], widen=widen or bundle.get("widen", 1.0), **extra, **s)
-                for k in range(reference_runs)]
+        if row == FLOOR_ROW:  # site-1 alone: one reference round per stretch between eval rounds, a fresh Adam each
+            extra["only"] = row.split(":", 1)[1]
+            refs = [floor_reference(reference.run, data, eval_rounds, split + k * SEED_OFFSET, log,
+                                    {**extra, **s, "scaling": bundle["scaling"],
+                                     "widen": widen or bundle.get("widen", 1.0)})
+                    for k in range(reference_runs)]
+        else:
+            refs = [reference.run(data, rounds, set(eval_rounds), seed=split + k * SEED_OFFSET, log=log,
+                                  scaling=bundle["scaling"], widen=widen or bundle.get("widen", 1.0), **extra, **s)
+                    for k in range(reference_runs)]
         ref = refs[0]
     elif reference is fedmix:
         ref = fedmix.run(data, rounds, set(eval_rounds), seed=split, method=method, oracle=oracle, log=log, **s)
@@ -605,6 +629,19 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
             "reference": s, **({"reference_grey": grey} if multilabel else {}),
             "project_options": proj,
             "projects": runs, "reference_run": ref}
+
+
+def floor_reference(run, data, eval_rounds: list, seed: int, log, kw: dict) -> dict:
+    """A floor's reference run: as many rounds as eval rounds, each ``eval_rounds[0]`` x the epochs of a round
+    (the project's floor trains on to each eval round with its optimizer fresh at each, ``run_floor``), scored
+    after each and reported at the eval rounds."""
+    step = eval_rounds[0]
+    out = run(data, len(eval_rounds), set(range(1, len(eval_rounds) + 1)), seed=seed, log=log,
+              **{**kw, "epochs": step * kw["epochs"]})
+    out["metrics"] = {eval_rounds[int(r) - 1]: m for r, m in out["metrics"].items()}
+    out["seconds"] = [s / step for s in out["seconds"] for _ in range(step)]  # per epoch-round, as the project's
+    out["seconds_per_round"] = float(np.mean(out["seconds"]))
+    return out
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -799,11 +836,17 @@ def _settings_text(s: dict, row: str) -> str:
         where = ("a stated choice (FedPSL has no released code)" if row in ("fedprox", *FEDPSL_ABLATIONS)
                  else "the released code's")
         changed = [k for k in s if k in ref.CHECK and s[k] != ref.CHECK[k]]
+        scenario = {"oracle:fedavg_pl": " Every site trains on every label (each site's `oracle.json`) on both "
+                                        "sides: the upper bound.",
+                    FLOOR_ROW: " Site-1 trains alone on both sides (the table's floor): the project's floor trains "
+                               "on to each eval round with its optimizer fresh at each (`fedlabels.bench.run_floor`); "
+                               "the reference runs FedAvg-PL's rounds on site-1 alone, one round per stretch "
+                               "between eval rounds (`floor_reference`)."}.get(row, "")
         return (f"Both sides train with the reference's settings (`benchmarks/reference/{name}.py` `CHECK`, the "
                 f"paper's values, or {where} where the paper prints none; their sources are its "
                 f"`PAPER`), with {', '.join(changed) or 'none'} changed by `--set`: {used}. The project's row is "
-                f"given them as options (`project_options` in each cell). Not the paper's, and what runs instead: "
-                f"{left}.")
+                f"given them as options (`project_options` in each cell).{scenario} Not the paper's, and what runs "
+                f"instead: {left}.")
 
     if row == "surgical":
         s = {**s, "pos_weight": s.get("pos_weight", "none")}  # cells older than the option trained unweighted
@@ -1068,7 +1111,6 @@ def main(argv=None) -> None:
         raise SystemExit(f"--preset {args.preset}: {e}") from None
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
-    seeds, eval_rounds = _splits(args)
     for seed in seeds:
         tag = args.label + (f"-ref{args.reference_scaling}" if args.reference_scaling else "")
         cell = out / "cells" / f"{tag}-seed{seed}.json"
@@ -1139,9 +1181,11 @@ def main_methods(args, config: dict | None = None) -> None:
         raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl and its "
                          "ablations, fedavg, fedavg_pl, fedprox, fedfixmatch, fednoro: a "
                          "multi-label preset; fedmix: a segmentation preset; the others: a classification preset)")
+    seeds, eval_rounds = _splits(args)
     for row in rows:  # every row's options, before the first cell trains
         try:
-            refuse_options(row, not args.no_augmentation, args.reference_grey, args.reference_runs, args.widen)
+            refuse_options(row, not args.no_augmentation, args.reference_grey, args.reference_runs, args.widen,
+                           eval_rounds)
         except ValueError as e:
             raise SystemExit(f"--rows {row}: {e}") from None
     settings = _settings(args.set, rows)

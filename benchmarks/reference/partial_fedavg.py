@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import yaml
 from torch.nn import functional as F
 
 from . import fedavg_multilabel, fedmlp
@@ -68,18 +69,24 @@ partial_loss = partial_bce
 def run(data, rounds: int, eval_rounds, seed: int = 0, partial: bool = True, lr: float = 3e-5,
         batch_size: int = 32, weight_decay: float = 5e-4, carry_optimizer: bool = False, epochs: int = 1,
         pos_weight: str = "none", widen: float = 0.25, scaling: str = "fixed", log=print, mu: float = 0.0,
-        augment: bool = True, grey: str = "mean", oracle: bool = False) -> dict:
+        augment: bool = True, grey: str = "mean", oracle: bool = False, only: str | None = None) -> dict:
     """FedAvg (``partial=False``) or FedAvg-PL (``partial=True``) over a prepared partial-label scenario (label
     -1: not annotated), in the shared FedAvg rounds of ``fedavg.run`` (``mu`` > 0 adds FedProx's proximal term:
     ``fedprox.run``). Test metric: the mean one-vs-rest AUROC of the global model on the pooled test split.
     ``augment=False`` trains on the images as loaded (a diagnostic: ``reference_check.py --no-augmentation``);
     ``grey``: how colour images become grey (``fedavg_multilabel.grey``; ``reference_check.py --reference-grey``).
-    ``oracle``: every site trains on every label (each site's ``oracle.json``), the upper bound's scenario."""
+    ``oracle``: every site trains on every label (each site's ``oracle.json``), the upper bound's scenario.
+    ``only``: that site trains alone (a table's floor); averaging one site's model is the model itself."""
     from . import fedavg
     from .fedavg_multilabel import ResNet18, annotating, load_scenario, macro_auroc
     from .fedavg_multilabel import augment as weak
 
     classes, sites, test = load_scenario(Path(data), scaling, "oracle.json" if oracle else "datalist.json", grey)
+    if only is not None:
+        names = yaml.safe_load((Path(data) / "scenario.yaml").read_text())["sites"]
+        if only not in names:
+            raise ValueError(f"only={only!r}: the scenario's sites are {names}")
+        sites = [sites[names.index(only)]]
     sites = annotating(sites)  # a site annotating no class sits out
     weights = [class_weights(y, pos_weight) for _, y in sites]
     loss_fn = partial_loss if partial else naive_loss

@@ -383,6 +383,40 @@ def test_the_upper_bound_row_gets_fedavg_pls_options_and_its_reference_reads_eve
                                                        "weighted": True}
 
 
+def test_the_floor_row_is_site_1_alone_on_both_sides(tmp_path):
+    """``local:site-1``: the project's floor gets FedAvg-PL's client options as ``local:`` options (no server), its
+    reference trains site-1 alone one round per stretch between eval rounds, reported at the eval rounds; eval
+    rounds that are not evenly spaced are refused before anything trains."""
+    import reference_check as rc
+    from fedlabels.bench.plan import parse_opts
+    from fedlabels.data.synthetic import generate
+    from reference import partial_fedavg
+
+    got = rc.project_settings("fedmlp_blood", rc.FLOOR_ROW, dict(partial_fedavg.CHECK))
+    assert {target for target, _, _ in parse_opts(got["opts"])} == {"local"}
+    assert not any("weighted=" in o and "pos_weighted" not in o for o in got["opts"])
+    with pytest.raises(ValueError, match="evenly spaced"):
+        rc.refuse_options(rc.FLOOR_ROW, eval_rounds=[5, 10, 20])
+    rc.refuse_options(rc.FLOOR_ROW, eval_rounds=[10, 20, 30])
+    calls = []
+
+    def run(data, rounds, eval_rounds, seed, log, **kw):
+        calls.append((rounds, sorted(eval_rounds), kw["epochs"], kw["only"]))
+        return {"metrics": {r: {"auroc": r / 10} for r in eval_rounds}, "seconds": [2.0] * rounds}
+
+    out = rc.floor_reference(run, tmp_path, [10, 20, 30], 0, print, {"epochs": 1, "only": "site-1"})
+    assert calls == [(3, [1, 2, 3], 10, "site-1")]
+    assert out["metrics"] == {10: {"auroc": 0.1}, 20: {"auroc": 0.2}, 30: {"auroc": 0.3}}
+    assert len(out["seconds"]) == 30 and out["seconds_per_round"] == pytest.approx(0.2)
+    # the whole cell, both sides, on a tiny scenario
+    data = generate("cxr", tmp_path / "cxr", seed=0, size=32, cases=12, test_cases=24)
+    cell = rc.compare_methods("fedmlp_blood", rc.FLOOR_ROW, data, 0, 2, [1, 2], tmp_path / "work", log=lambda m: None,
+                              settings={"batch_size": 8, "lr": 1e-3})
+    assert [sorted(p["metrics"]) for p in cell["projects"]] == [["1", "2"], ["1", "2"]]
+    assert sorted(cell["reference_run"]["metrics"]) == ["1", "2"]
+    assert all(0 <= run["metrics"]["2"]["auroc"] <= 1 for run in (*cell["projects"], cell["reference_run"]))
+
+
 def test_the_fedprox_row_gets_the_references_settings_as_options_the_method_takes():
     import reference_check as rc
     from fedlabels.methods import get
@@ -533,7 +567,7 @@ def test_fednoro_reference_trains_unaugmented_when_told(tmp_path, monkeypatch):
         fednoro.run(data, 1, {1}, batch_size=8, log=lambda m: None)
 
 
-MULTILABEL_ROWS = ["fedavg", "fedavg_pl", "oracle:fedavg_pl", "fedprox", "surgical", "fedmlp", "fedpsl", "fedpsl_tdma", "fedpsl_tadl",
+MULTILABEL_ROWS = ["fedavg", "fedavg_pl", "oracle:fedavg_pl", "local:site-1", "fedprox", "surgical", "fedmlp", "fedpsl", "fedpsl_tdma", "fedpsl_tadl",
                    "fedfixmatch", "fednoro"]
 
 

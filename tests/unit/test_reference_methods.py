@@ -1248,6 +1248,28 @@ def test_the_upper_bound_reference_trains_on_every_sites_oracle_labels(tmp_path)
     assert oracle != partial_fedavg.run(data, 2, {2}, **kw)["metrics"][2]
 
 
+def test_the_floor_reference_trains_the_site_alone(tmp_path):
+    """``partial_fedavg.run(only=...)``: the same run as a scenario holding that site alone, not the federation's;
+    a site the scenario lacks is refused."""
+    import shutil
+
+    import yaml
+    from fedlabels.data.synthetic import generate
+    from reference import partial_fedavg
+
+    data = generate("cxr", tmp_path / "cxr", seed=0, size=16, cases=10, test_cases=30)
+    alone = tmp_path / "alone"
+    shutil.copytree(data, alone)
+    scenario = yaml.safe_load((data / "scenario.yaml").read_text())
+    (alone / "scenario.yaml").write_text(yaml.safe_dump({**scenario, "sites": ["site-1"]}))
+    kw = {"batch_size": 8, "log": lambda m: None}
+    only = partial_fedavg.run(data, 2, {2}, only="site-1", **kw)["metrics"][2]
+    assert only == partial_fedavg.run(alone, 2, {2}, **kw)["metrics"][2]
+    assert only != partial_fedavg.run(data, 2, {2}, **kw)["metrics"][2]
+    with pytest.raises(ValueError, match="site-9"):
+        partial_fedavg.run(data, 1, {1}, only="site-9", **kw)
+
+
 def test_im_loss_stays_finite_when_a_class_gets_no_probability():
     """A collapsed model gives a class probability 0 in float32; 0 log 0 counts 0 and the gradient stays finite
     (the reference's sites turned non-finite on BloodMNIST gamma 0.8 before this)."""
