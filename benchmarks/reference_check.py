@@ -550,11 +550,13 @@ def method_reference(row: str):
 
 
 def refuse_options(row: str, augment: bool = True, grey: str | None = None, reference_runs: int = 1,
-                   widen: float | None = None, eval_rounds: list | None = None) -> None:
+                   widen: float | None = None, eval_rounds: list | None = None, carry_optimizer: bool = False) -> None:
     """Options ``row``'s reference cannot take, refused before anything trains (ValueError naming the option)."""
-    if row == FLOOR_ROW and eval_rounds and eval_rounds != [eval_rounds[0] * (i + 1) for i in range(len(eval_rounds))]:
-        raise ValueError(f"--eval-rounds {','.join(map(str, eval_rounds))}: the floor's reference trains one stretch "
-                         "per eval round, so they must be evenly spaced from the first (e.g. 10,20,30)")
+    if row == FLOOR_ROW and eval_rounds and not carry_optimizer and \
+            eval_rounds != [eval_rounds[0] * (i + 1) for i in range(len(eval_rounds))]:
+        raise ValueError(f"--eval-rounds {','.join(map(str, eval_rounds))}: with a fresh optimizer at each, the "
+                         "floor's reference trains one stretch per eval round, so they must be evenly spaced from "
+                         "the first (e.g. 10,20,30)")
     from reference import fednoro, partial_fedavg
 
     multilabel = ROW_KIND.get(row) == "multilabel"
@@ -581,11 +583,11 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
     width on both sides instead of the preset's."""
     from reference import fedmix, fednoro, partial_fedavg, semisup
 
-    refuse_options(row, augment, grey, reference_runs, widen, eval_rounds)
     reference = method_reference(row)
+    s = {**reference.CHECK, **(settings or {})}
+    refuse_options(row, augment, grey, reference_runs, widen, eval_rounds, bool(s.get("carry_optimizer")))
     multilabel = ROW_KIND.get(row) == "multilabel"
     grey = grey or "mean"  # the bundles' rule (Ensure2DChannelsd); cells before it was an option read luma
-    s = {**reference.CHECK, **(settings or {})}
     proj = project_settings(preset, row, s)
     proj["config"] = {**proj["config"], **(config or {})}
     runs = []
@@ -632,13 +634,14 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
 
 
 def floor_reference(run, data, eval_rounds: list, seed: int, log, kw: dict) -> dict:
-    """A floor's reference run: as many rounds as eval rounds, each ``eval_rounds[0]`` x the epochs of a round
-    (the project's floor trains on to each eval round with its optimizer fresh at each, ``run_floor``), scored
-    after each and reported at the eval rounds."""
-    step = eval_rounds[0]
-    out = run(data, len(eval_rounds), set(range(1, len(eval_rounds) + 1)), seed=seed, log=log,
+    """A floor's reference run. The project's floor trains on to each eval round, its optimizer fresh at each
+    unless carried (``run_floor``); the reference trains the site alone in rounds of ``step`` x the epochs of a
+    round (averaging one site's model is the model itself): ``step`` the first eval round when the optimizer is
+    fresh at each (evenly spaced eval rounds, ``refuse_options``), else their greatest common divisor."""
+    step = eval_rounds[0] if not kw.get("carry_optimizer") else math.gcd(*eval_rounds)
+    out = run(data, eval_rounds[-1] // step, {r // step for r in eval_rounds}, seed=seed, log=log,
               **{**kw, "epochs": step * kw["epochs"]})
-    out["metrics"] = {eval_rounds[int(r) - 1]: m for r, m in out["metrics"].items()}
+    out["metrics"] = {int(r) * step: m for r, m in out["metrics"].items()}
     out["seconds"] = [s / step for s in out["seconds"] for _ in range(step)]  # per epoch-round, as the project's
     out["seconds_per_round"] = float(np.mean(out["seconds"]))
     return out
@@ -1182,16 +1185,16 @@ def main_methods(args, config: dict | None = None) -> None:
                          "ablations, fedavg, fedavg_pl, fedprox, fedfixmatch, fednoro: a "
                          "multi-label preset; fedmix: a segmentation preset; the others: a classification preset)")
     seeds, eval_rounds = _splits(args)
+    settings = _settings(args.set, rows)
     for row in rows:  # every row's options, before the first cell trains
+        carry = {**method_reference(row).CHECK, **settings}.get("carry_optimizer", False)
         try:
             refuse_options(row, not args.no_augmentation, args.reference_grey, args.reference_runs, args.widen,
-                           eval_rounds)
+                           eval_rounds, bool(carry))
         except ValueError as e:
             raise SystemExit(f"--rows {row}: {e}") from None
-    settings = _settings(args.set, rows)
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
-    seeds, eval_rounds = _splits(args)
     for seed in seeds:
         for row in rows:
             cell = out / "cells" / f"{args.label}-{row.replace(':', '_')}-seed{seed}.json"

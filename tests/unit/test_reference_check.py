@@ -408,6 +408,11 @@ def test_the_floor_row_is_site_1_alone_on_both_sides(tmp_path):
     assert calls == [(3, [1, 2, 3], 10, "site-1")]
     assert out["metrics"] == {10: {"auroc": 0.1}, 20: {"auroc": 0.2}, 30: {"auroc": 0.3}}
     assert len(out["seconds"]) == 30 and out["seconds_per_round"] == pytest.approx(0.2)
+    # an optimizer carried across: one continuous run, in rounds of the eval rounds' greatest common divisor
+    rc.refuse_options(rc.FLOOR_ROW, eval_rounds=[5, 10, 20], carry_optimizer=True)
+    out = rc.floor_reference(run, tmp_path, [5, 10, 20], 0, print, {"epochs": 2, "only": "site-1",
+                                                                    "carry_optimizer": True})
+    assert calls[-1] == (4, [1, 2, 4], 10, "site-1") and sorted(out["metrics"]) == [5, 10, 20]
     # the whole cell, both sides, on a tiny scenario
     data = generate("cxr", tmp_path / "cxr", seed=0, size=32, cases=12, test_cases=24)
     cell = rc.compare_methods("fedmlp_blood", rc.FLOOR_ROW, data, 0, 2, [1, 2], tmp_path / "work", log=lambda m: None,
