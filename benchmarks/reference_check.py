@@ -361,16 +361,16 @@ def verdict(a: dict, b: dict) -> str:
 
 # ---------------------------------------------------------------- the methods
 
-# the floor every table compares with, site-1 trained alone (fedlabels.bench.run_floor): its reference is FedAvg-PL's
-# on that site alone, one "round" per stretch between eval rounds
-FLOOR_ROW = "local:site-1"
+# a table's floor rows, a site trained alone (fedlabels.bench.run_floor): the reference is FedAvg-PL's on that site
+# alone (floor_reference)
+FLOOR_ROWS = tuple(f"local:site-{k}" for k in range(1, 9))
 # a project row -> (the reference's method, every site from its full labels); the module of benchmarks/reference/
 # that implements each is method_reference's
 METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False), "isofed_nopt": ("isofed_nopt", False),
                "surgical": ("surgical", False), "fedmlp": ("fedmlp", False),
                "fedpsl": ("fedpsl", False), "fedpsl_tdma": ("fedpsl", False), "fedpsl_tadl": ("fedpsl", False),
                "fedavg": ("fedavg", False), "fedavg_pl": ("fedavg_pl", False), "oracle:fedavg_pl": ("fedavg_pl", True),
-               FLOOR_ROW: ("fedavg_pl", False),
+               **{row: ("fedavg_pl", False) for row in FLOOR_ROWS},
                "fedprox": ("fedprox", False), "fedfixmatch": ("fedfixmatch", False),
                "fednoro": ("fednoro", False),
                "mt_wfedavg": ("mt_wfedavg", False), "rscfed": ("rscfed", False), "fedmix": ("fedmix", False),
@@ -378,7 +378,8 @@ METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False),
 # the kind of preset each row's reference trains (the others: classification)
 ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multilabel", "fedpsl_tdma": "multilabel",
             "fedpsl_tadl": "multilabel", "fedavg": "multilabel",
-            "fedavg_pl": "multilabel", "oracle:fedavg_pl": "multilabel", FLOOR_ROW: "multilabel",
+            "fedavg_pl": "multilabel", "oracle:fedavg_pl": "multilabel",
+            **{row: "multilabel" for row in FLOOR_ROWS},
             "fedprox": "multilabel",
             "fedfixmatch": "multilabel", "fednoro": "multilabel",
             "fedmix": "segmentation",
@@ -403,7 +404,7 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         return fedmlp_settings(preset, s)
     if row in FEDPSL_ABLATIONS:
         return fedpsl_settings(preset, s, row)
-    if row in ("fedavg", "fedavg_pl", "oracle:fedavg_pl", FLOOR_ROW, "fedprox", "fedfixmatch", "fednoro"):
+    if row in ("fedavg", "fedavg_pl", "oracle:fedavg_pl", *FLOOR_ROWS, "fedprox", "fedfixmatch", "fednoro"):
         return partial_fedavg_settings(preset, row, s)
     if ROW_KIND.get(row) == "segmentation":
         return fedmix_settings(preset, row, s)
@@ -513,8 +514,8 @@ def partial_fedavg_settings(preset: str, row: str, s: dict) -> dict:
         client |= {"confidence": s["confidence"], "lambda_u": s["lambda_u"]}
     if row == "fednoro":
         client |= {key: s[key] for key in ("kd_weight", "temperature", "rampup_begin", "rampup_end")}
-    server = {"weighted": True} if row != FLOOR_ROW else {}  # FedAvg by case counts; the floor has no server
-    target = "local" if row == FLOOR_ROW else row  # fedlabels bench's --opt local:key=value: the floor's client
+    server = {"weighted": True} if row not in FLOOR_ROWS else {}  # FedAvg by case counts; the floor has no server
+    target = "local" if row in FLOOR_ROWS else row  # fedlabels bench's --opt local:key=value: the floor's client
     opts = [f"{target}:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
 
@@ -544,7 +545,8 @@ def method_reference(row: str):
     return {"surgical": surgical, "fedmlp": fedmlp, "fedpsl": fedpsl, "fedpsl_tdma": fedpsl, "fedpsl_tadl": fedpsl,
             "fedmix": fedmix,
             "oracle:fedadaptagg": fedmix, "fedavg": partial_fedavg, "fedavg_pl": partial_fedavg,
-            "oracle:fedavg_pl": partial_fedavg, FLOOR_ROW: partial_fedavg,
+            "oracle:fedavg_pl": partial_fedavg,
+            **{row: partial_fedavg for row in FLOOR_ROWS},
             "fedprox": fedprox, "fedfixmatch": fedfixmatch,
             "fednoro": fednoro}.get(row, semisup)  # semisup: IsoFed, MT+wFedAvg, RSCFed and wFedAvg
 
@@ -552,7 +554,7 @@ def method_reference(row: str):
 def refuse_options(row: str, augment: bool = True, grey: str | None = None, reference_runs: int = 1,
                    widen: float | None = None, eval_rounds: list | None = None, carry_optimizer: bool = False) -> None:
     """Options ``row``'s reference cannot take, refused before anything trains (ValueError naming the option)."""
-    if row == FLOOR_ROW and eval_rounds and not carry_optimizer and \
+    if row in FLOOR_ROWS and eval_rounds and not carry_optimizer and \
             eval_rounds != [eval_rounds[0] * (i + 1) for i in range(len(eval_rounds))]:
         raise ValueError(f"--eval-rounds {','.join(map(str, eval_rounds))}: with a fresh optimizer at each, the "
                          "floor's reference trains one stretch per eval round, so they must be evenly spaced from "
@@ -605,7 +607,7 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
                  {"augment": augment} if reference is fednoro else
                  dict(zip(("local", "aggregation"), FEDPSL_ABLATIONS[row])) if row in FEDPSL_ABLATIONS else {})
         extra["grey"] = grey
-        if row == FLOOR_ROW:  # site-1 alone: one reference round per stretch between eval rounds, a fresh Adam each
+        if row in FLOOR_ROWS:  # the site alone, in rounds of one or more epoch-rounds (floor_reference)
             extra["only"] = row.split(":", 1)[1]
             refs = [floor_reference(reference.run, data, eval_rounds, split + k * SEED_OFFSET, log,
                                     {**extra, **s, "scaling": bundle["scaling"],
@@ -840,11 +842,13 @@ def _settings_text(s: dict, row: str) -> str:
                  else "the released code's")
         changed = [k for k in s if k in ref.CHECK and s[k] != ref.CHECK[k]]
         scenario = {"oracle:fedavg_pl": " Every site trains on every label (each site's `oracle.json`) on both "
-                                        "sides: the upper bound.",
-                    FLOOR_ROW: " Site-1 trains alone on both sides (the table's floor): the project's floor trains "
-                               "on to each eval round with its optimizer fresh at each (`fedlabels.bench.run_floor`); "
-                               "the reference runs FedAvg-PL's rounds on site-1 alone, one round per stretch "
-                               "between eval rounds (`floor_reference`)."}.get(row, "")
+                                        "sides: the upper bound."}.get(row, "")
+        if row in FLOOR_ROWS:
+            scenario = (f" {row.split(':')[1].capitalize()} trains alone on both sides (the table's floor): the "
+                        "project's floor trains on to each eval round, its optimizer fresh at each unless carried "
+                        "(`fedlabels.bench.run_floor`); the reference runs FedAvg-PL's rounds on that site alone, "
+                        "each of as many epochs as the stretch between eval rounds, or, with the optimizer "
+                        "carried, as their greatest common divisor (`floor_reference`).")
         return (f"Both sides train with the reference's settings (`benchmarks/reference/{name}.py` `CHECK`, the "
                 f"paper's values, or {where} where the paper prints none; their sources are its "
                 f"`PAPER`), with {', '.join(changed) or 'none'} changed by `--set`: {used}. The project's row is "

@@ -392,12 +392,12 @@ def test_the_floor_row_is_site_1_alone_on_both_sides(tmp_path):
     from fedlabels.data.synthetic import generate
     from reference import partial_fedavg
 
-    got = rc.project_settings("fedmlp_blood", rc.FLOOR_ROW, dict(partial_fedavg.CHECK))
+    got = rc.project_settings("fedmlp_blood", rc.FLOOR_ROWS[0], dict(partial_fedavg.CHECK))
     assert {target for target, _, _ in parse_opts(got["opts"])} == {"local"}
     assert not any("weighted=" in o and "pos_weighted" not in o for o in got["opts"])
     with pytest.raises(ValueError, match="evenly spaced"):
-        rc.refuse_options(rc.FLOOR_ROW, eval_rounds=[5, 10, 20])
-    rc.refuse_options(rc.FLOOR_ROW, eval_rounds=[10, 20, 30])
+        rc.refuse_options(rc.FLOOR_ROWS[0], eval_rounds=[5, 10, 20])
+    rc.refuse_options(rc.FLOOR_ROWS[0], eval_rounds=[10, 20, 30])
     calls = []
 
     def run(data, rounds, eval_rounds, seed, log, **kw):
@@ -409,13 +409,13 @@ def test_the_floor_row_is_site_1_alone_on_both_sides(tmp_path):
     assert out["metrics"] == {10: {"auroc": 0.1}, 20: {"auroc": 0.2}, 30: {"auroc": 0.3}}
     assert len(out["seconds"]) == 30 and out["seconds_per_round"] == pytest.approx(0.2)
     # an optimizer carried across: one continuous run, in rounds of the eval rounds' greatest common divisor
-    rc.refuse_options(rc.FLOOR_ROW, eval_rounds=[5, 10, 20], carry_optimizer=True)
+    rc.refuse_options(rc.FLOOR_ROWS[0], eval_rounds=[5, 10, 20], carry_optimizer=True)
     out = rc.floor_reference(run, tmp_path, [5, 10, 20], 0, print, {"epochs": 2, "only": "site-1",
                                                                     "carry_optimizer": True})
     assert calls[-1] == (4, [1, 2, 4], 10, "site-1") and sorted(out["metrics"]) == [5, 10, 20]
     # the whole cell, both sides, on a tiny scenario
     data = generate("cxr", tmp_path / "cxr", seed=0, size=32, cases=12, test_cases=24)
-    cell = rc.compare_methods("fedmlp_blood", rc.FLOOR_ROW, data, 0, 2, [1, 2], tmp_path / "work", log=lambda m: None,
+    cell = rc.compare_methods("fedmlp_blood", rc.FLOOR_ROWS[0], data, 0, 2, [1, 2], tmp_path / "work", log=lambda m: None,
                               settings={"batch_size": 8, "lr": 1e-3})
     assert [sorted(p["metrics"]) for p in cell["projects"]] == [["1", "2"], ["1", "2"]]
     assert sorted(cell["reference_run"]["metrics"]) == ["1", "2"]
@@ -572,7 +572,7 @@ def test_fednoro_reference_trains_unaugmented_when_told(tmp_path, monkeypatch):
         fednoro.run(data, 1, {1}, batch_size=8, log=lambda m: None)
 
 
-MULTILABEL_ROWS = ["fedavg", "fedavg_pl", "oracle:fedavg_pl", "local:site-1", "fedprox", "surgical", "fedmlp", "fedpsl", "fedpsl_tdma", "fedpsl_tadl",
+MULTILABEL_ROWS = ["fedavg", "fedavg_pl", "oracle:fedavg_pl", *(f"local:site-{k}" for k in range(1, 9)), "fedprox", "surgical", "fedmlp", "fedpsl", "fedpsl_tdma", "fedpsl_tadl",
                    "fedfixmatch", "fednoro"]
 
 
