@@ -1116,6 +1116,7 @@ def main(argv=None) -> None:
         reference_settings(args.preset)
     except ValueError as e:
         raise SystemExit(f"--preset {args.preset}: {e}") from None
+    seeds, eval_rounds = _splits(args)
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     for seed in seeds:

@@ -206,6 +206,11 @@ def test_the_released_code_preset_rows_get_its_views_and_warm_start(tmp_path):
         rc.main(["--preset", "isofed_rscfed", "--data", "x{seed}", "--rounds", "1", "--label", "x",
                  "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+    # a preset it can run goes on to read the splits, and stops at one that is not prepared, before writing
+    with pytest.raises(SystemExit, match="x0: no scenario.yaml"):
+        rc.main(["--preset", "isofed", "--data", str(tmp_path / "x{seed}"), "--rounds", "1", "--label", "x",
+                 "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
     s = {**semisup.CHECK, "augment": "crop_hflip", "strong": "photometric", "warmup_rounds": 7, "sup_scale": 100.0}
     got = rc.project_settings("isofed_rscfed", "isofed", s)
     opts = dict(o.split(":", 1)[1].split("=", 1) for o in got["opts"])
