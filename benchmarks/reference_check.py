@@ -650,7 +650,7 @@ def floor_reference(run, data, eval_rounds: list, seed: int, log, kw: dict) -> d
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # lanes sharing a results folder each write their own
     tmp.write_text(text)
     tmp.replace(path)
 
