@@ -719,10 +719,11 @@ COVERAGE = [
      "labeled multiplier 6 also weighs the average its distances are taken from, which RSCFed's code does not, "
      "docs/methods/isofed.md; the reference has no multiplier); the floor rows and BloodMNIST unchecked"),
     ("`mixed` (BloodMNIST: every class / a half / the other half / none)",
-     "`fedavg`, `fedavg_pl`, `fedprox`, `fedfixmatch` and `fednoro` against their references with the published "
-     "rows' settings (the `fedmlp_blood` preset's; FedNoRo's default ramp), splits 0-2 (`bloodmnist-mixed-*`); the "
-     "upper bound (`oracle:fedavg_pl`), `surgical`, `fedpsl`, `fedmlp`, `rscfed_pl`, `composed` and its "
-     "ablations, and the floor unchecked"),
+     "the upper bound (`oracle:fedavg_pl`), `fedavg`, `fedavg_pl`, `fedprox`, `surgical`, `fedmlp`, `fedpsl`, "
+     "`fedfixmatch`, `fednoro` and the floor row `local:site-1` against their references with the published rows' "
+     "settings (the `fedmlp_blood` preset's and each method's defaults), splits 0-2 (`bloodmnist-mixed-*`); "
+     "`rscfed_pl`, `composed` and its ablations (no reference) and the floor rows of site-2 and site-3 "
+     "unchecked"),
     ("`partial_label_study` (embedded chest X-rays; BloodMNIST with per-image min-max scaling)",
      "on BloodMNIST with the study's settings (per-image min-max scaling, Adam 1e-3 kept across rounds, batch 16, "
      "5 local epochs, N_neg / N_pos weighting, ResNet-18 width 0.25 at 32 px; its scoring points, 80-960 local steps "
