@@ -737,7 +737,8 @@ COVERAGE = [
      "every row against its reference with the comparison's settings (the bundle's defaults: Adam 1e-3 kept across "
      "rounds, batch 16, N_neg / N_pos weighting, per-case augmentation, full-width ResNet-18 at 64 px; Surgical "
      "without its warm-up), on the comparison's splits 0-2 and for `fedavg`, `fedavg_pl` and `surgical` also 3-5 "
-     "(`cxr-64px-bench-*`); the floor rows and the best-on-validation models unchecked"),
+     "(`cxr-64px-bench-*`); the four floor rows against FedAvg-PL's reference on each site alone, splits 0-2 "
+     "(`cxr-64px-bench-floor`); the best-on-validation models unchecked"),
     ("`fedmlp`, `fedmlp-preset`, `fedmlp-scale`, `fedmlp-cxr` (FedMLP, FedPSL, Surgical and the other multi-label rows)",
      "the upper bound's training path (`oracle:fedavg`, `fedmlp_blood` and `cxr` presets); on BloodMNIST one class a "
      "site (`fedmlp-preset`'s missing-7 level): `surgical` against its training reference "
@@ -746,7 +747,8 @@ COVERAGE = [
      "against `benchmarks/reference/fedpsl.py` with the published row's settings (the preset's, 1 local epoch); "
      "`fedavg`, `fedavg_pl`, `fedfixmatch` and `fednoro` against `partial_fedavg.py`, `fedfixmatch.py` and "
      "`fednoro.py` (FedMLP's released code) with the published rows' settings (the preset's: Adam 1e-3 fresh each "
-     "round, batch 16, N_neg / N_pos weighting; FedNoRo's ramp over the 30 rounds); `rscfed_pl` unchecked (FedMLP's "
+     "round, batch 16, N_neg / N_pos weighting; FedNoRo's ramp over the 30 rounds); the 8 floor rows against "
+     "FedAvg-PL's reference on each site alone (`bloodmnist-one-class-floor`); `rscfed_pl` unchecked (FedMLP's "
      "released RSCFed is another scheme, docs/methods/fedmlp.md); FedMLP's other rows and ablations, the other "
      "levels, `fedmlp-cxr` and `fedmlp-scale` unchecked. The sections above read BloodMNIST's colour images by "
      "Pillow's luma on the reference's side; `fedavg`, `fedavg_pl`, `fedfixmatch`, `fednoro` and `fedpsl` ran "
