@@ -720,10 +720,9 @@ COVERAGE = [
      "docs/methods/isofed.md; the reference has no multiplier); the floor rows and BloodMNIST unchecked"),
     ("`mixed` (BloodMNIST: every class / a half / the other half / none)",
      "the upper bound (`oracle:fedavg_pl`), `fedavg`, `fedavg_pl`, `fedprox`, `surgical`, `fedmlp`, `fedpsl`, "
-     "`fedfixmatch`, `fednoro` and the floor row `local:site-1` against their references with the published rows' "
+     "`fedfixmatch`, `fednoro` and the three floor rows against their references with the published rows' "
      "settings (the `fedmlp_blood` preset's and each method's defaults), splits 0-2 (`bloodmnist-mixed-*`); "
-     "`rscfed_pl`, `composed` and its ablations (no reference) and the floor rows of site-2 and site-3 "
-     "unchecked"),
+     "`rscfed_pl`, `composed` and its ablations unchecked (no reference)"),
     ("`partial_label_study` (embedded chest X-rays; BloodMNIST with per-image min-max scaling)",
      "on BloodMNIST with the study's settings (per-image min-max scaling, Adam 1e-3 kept across rounds, batch 16, "
      "5 local epochs, N_neg / N_pos weighting, ResNet-18 width 0.25 at 32 px; its scoring points, 80-960 local steps "
