@@ -727,11 +727,11 @@ COVERAGE = [
      "on BloodMNIST with the study's settings (per-image min-max scaling, Adam 1e-3 kept across rounds, batch 16, "
      "5 local epochs, N_neg / N_pos weighting, ResNet-18 width 0.25 at 32 px; its scoring points, 80-960 local steps "
      "a site, are rounds 1-12): `fedavg`, `fedavg_pl`, `fedprox`, `surgical` (2 warm-up epochs), "
-     "`surgical_nowarmup` and `fedpsl` against their references, splits 0-2 (`pls-blood-*`), every row but "
-     "`fedpsl` again with the references reading the colour images by the bundles' grey rule "
-     "(`pls-blood-*-grey-mean`; the other sections' references read Pillow's luma); FedPSL's two "
-     "ablations (`fedpsl_tdma`, `fedpsl_tadl`: references exist, not run), the chest X-ray half and the "
-     "mechanism's diagnostics (probe, rho, head) unchecked"),
+     "`surgical_nowarmup` and `fedpsl` against their references, splits 0-2 (`pls-blood-*`), every row again "
+     "with the references reading the colour images by the bundles' grey rule (`pls-blood-*-grey-mean`; the "
+     "other sections' references read Pillow's luma); FedPSL's two ablations (`fedpsl_tdma`, `fedpsl_tadl`) "
+     "with the bundles' rule (`pls-blood-fedpsl-ablations`); the chest X-ray half and the mechanism's "
+     "diagnostics (probe, rho, head) unchecked"),
     ("`bench_cxr` (embedded chest X-rays, 64 px: FedAvg, FedAvg-PL, FedProx, Surgical, FedPSL)",
      "every row against its reference with the comparison's settings (the bundle's defaults: Adam 1e-3 kept across "
      "rounds, batch 16, N_neg / N_pos weighting, per-case augmentation, full-width ResNet-18 at 64 px; Surgical "
