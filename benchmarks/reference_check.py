@@ -846,7 +846,7 @@ def _settings_text(s: dict, row: str) -> str:
         scenario = {"oracle:fedavg_pl": " Every site trains on every label (each site's `oracle.json`) on both "
                                         "sides: the upper bound."}.get(row, "")
         if row in FLOOR_ROWS:
-            scenario = (f" {row.split(':')[1].capitalize()} trains alone on both sides (the table's floor): the "
+            scenario = (" Each floor row's site trains alone on both sides (the table's floor): the "
                         "project's floor trains on to each eval round, its optimizer fresh at each unless carried "
                         "(`fedlabels.bench.run_floor`); the reference runs FedAvg-PL's rounds on that site alone, "
                         "each of as many epochs as the stretch between eval rounds, or, with the optimizer "

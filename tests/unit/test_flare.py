@@ -44,17 +44,25 @@ def test_run_watched_stops_a_run_whose_site_died_before_its_first_task(tmp_path)
     # The simulator's runner loses a site's worker at start-up ("Connection reset by peer"): the server waits for
     # it for ever, so the watchdog stops the run once the grace has passed. A site that had a task and then
     # died (the fault drill's crash) is the round engine's to survive; a run that ends within the grace ends.
-    died = "SimulatorClientRunner - ERROR - Communication error with client site-3: [Errno 104] Connection reset"
+    # As in nvflare's concise console, the task assignments are only in the server's own log.
+    server_log = tmp_path / "server-log.txt"
+    server_log.write_text("ServerRunner - INFO - [peer=site-4] - assigned task to client site-4: name=train\n")
+    died = "2026-11-28 21:33:09,877 - ERROR - Communication error with client site-3: [Errno 104] Connection reset"
     script = f"import time; print({died!r}, flush=True); time.sleep(120)"
     t0 = time.time()
     with pytest.raises(SiteLostAtStartup, match="site-3 died before its first task"):
-        run_watched([sys.executable, "-c", script], None, tmp_path / "died.log", poll=0.2, grace=1)
+        run_watched([sys.executable, "-c", script], None, tmp_path / "died.log", poll=0.2, grace=1,
+                    server_log=server_log)
     assert time.time() - t0 < 30
-    crashed = ("import time; print('ServerRunner - INFO - assigned task to client site-4: name=train', flush=True); "
-               "print('Subprocess died for client site-4, exit code: 1', flush=True); time.sleep(2)")
-    assert run_watched([sys.executable, "-c", crashed], None, tmp_path / "crash.log", poll=0.2, grace=0.5) == 0
+    crashed = "import time; print('- ERROR - Subprocess died for client site-4, exit code: 1', flush=True); time.sleep(3)"
+    assert run_watched([sys.executable, "-c", crashed], None, tmp_path / "crash.log", poll=0.2, grace=0.5,
+                       server_log=server_log) == 0
     ending = f"import time; print({died!r}, flush=True); time.sleep(1)"
-    assert run_watched([sys.executable, "-c", ending], None, tmp_path / "end.log", poll=0.2, grace=5) == 0
+    assert run_watched([sys.executable, "-c", ending], None, tmp_path / "end.log", poll=0.2, grace=5,
+                       server_log=server_log) == 0
+    # without the server's log nothing says whether the site had a task: the run is left alone
+    assert run_watched([sys.executable, "-c", f"import time; print({died!r}, flush=True); time.sleep(2)"], None,
+                       tmp_path / "blind.log", poll=0.2, grace=0.5) == 0
 
 
 def test_run_watched_timeout_and_exit_code(tmp_path):

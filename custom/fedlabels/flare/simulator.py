@@ -29,13 +29,16 @@ class SiteLostAtStartup(RuntimeError):
     """A simulated site never started; the run cannot finish."""
 
 
-def run_watched(cmd, env, log: Path, timeout=None, poll=1.0, grace=DIED_GRACE) -> int:
+def run_watched(cmd, env, log: Path, timeout=None, poll=1.0, grace=DIED_GRACE, server_log=None) -> int:
     """Run ``cmd`` in its own process group, output appended to ``log``.
 
     Kills the group and raises ``SiteLostAtStartup`` as soon as the log shows
     a lost site, or ``grace`` seconds after it shows a site's worker dying
     before its first task; ``RuntimeError`` when ``timeout`` seconds pass;
-    otherwise returns the exit code.
+    otherwise returns the exit code. The simulator's console (nvflare's
+    default concise mode) leaves out which site was given a task: that is
+    read from ``server_log`` (the server's ``log.txt``); without one a dying
+    worker never stops the run.
     """
     log = Path(log)
     # Watch only what this run appends: a retry appends to the log of the attempt it replaces.
@@ -60,7 +63,12 @@ def run_watched(cmd, env, log: Path, timeout=None, poll=1.0, grace=DIED_GRACE) -
                         tasked.add(m.group(1))
                     elif (m := SITE_DIED.search(line)) and m.group(1) not in tasked and died is None:
                         died = (m.group(1).decode(), time.time())
-                if died and time.time() - died[1] > grace:
+                if died and time.time() - died[1] > grace and server_log is not None:
+                    text = Path(server_log).read_bytes() if Path(server_log).is_file() else b""
+                    tasked |= {m.group(1) for m in ASSIGNED.finditer(text)}
+                    if died[0].encode() in tasked:  # it had a task: a crash mid-run, the round engine's
+                        died = None
+                        continue
                     raise SiteLostAtStartup(f"the worker of {died[0]} died before its first task and the run did "
                                             f"not end; see {log}")
                 if timeout is not None and time.time() - start > timeout:
@@ -131,7 +139,7 @@ def simulate(job_dir, workspace, sites: int, data=None, threads=None, log=None, 
     log.write_text("")
     for attempt in range(retries + 1):
         try:
-            code = run_watched(cmd, env, log, timeout=timeout)
+            code = run_watched(cmd, env, log, timeout=timeout, server_log=workspace / "server" / "log.txt")
             break
         except SiteLostAtStartup as e:
             if attempt == retries:
