@@ -196,7 +196,6 @@ def project_cell(preset: str, data: Path, seed: int, rounds: int, eval_rounds: l
             validating[0] += time.perf_counter() - t0
 
     site.validate_task = timed
-    t0 = time.perf_counter()
     try:
         if floor:
             out = bench.run_floor(plan, bench.Cell(method, seed, method.split(":", 1)[1]), scorer, lambda m: None)
@@ -204,7 +203,6 @@ def project_cell(preset: str, data: Path, seed: int, rounds: int, eval_rounds: l
             out = bench.run_federated_inprocess(plan, bench.Cell(method, seed), scorer, lambda m: None)
     finally:
         site.validate_task = validate
-    elapsed = time.perf_counter() - t0
     metrics = {}
     for r in out["rows"]:
         if r["model"] != "last" or r["group"] != bench.POOLED:
@@ -218,13 +216,16 @@ def project_cell(preset: str, data: Path, seed: int, rounds: int, eval_rounds: l
         metrics[r]["tags"] = tags
     for r, m in metrics.items():
         log(f"[project] {method} seed {seed} round {r}: {m}")
-    # the floor keeps no per-round records: its time is spread evenly over its epoch-rounds (scoring included)
-    seconds = [rec["seconds"] for rec in out["records"]] or [elapsed / rounds] * rounds
+    # the floor keeps no per-round records: each stretch's training time is spread over its epoch-rounds
+    seconds = [rec["seconds"] for rec in out["records"]] or \
+        [t / (r - before) for t, before, r in zip(out["train_seconds"], [0, *eval_rounds], eval_rounds)
+         for _ in range(r - before)]
     # sites the round engine dropped (e.g. a non-finite update) or that abstained, per round (1-based)
     dropped = {str(rec["round"] + 1): sorted(set(rec.get("dropped") or {}) | set(rec.get("abstained") or []))
                for rec in out["records"] if rec.get("dropped") or rec.get("abstained")}
     return {"metrics": metrics, "seconds_per_round": float(np.mean(seconds)), "seconds": seconds,
-            "validation_seconds_per_round": validating[0] / rounds, "dropped": dropped}
+            "validation_seconds_per_round": validating[0] / rounds, "dropped": dropped,
+            **({"train_seconds": out["train_seconds"]} if floor else {})}
 
 
 def tag_counts(records: list, eval_rounds) -> dict:
@@ -975,6 +976,10 @@ def _methods_section(label, preset, cs_all, tolerance) -> list:
               + ". Load average (1 min) at each cell's start and end: "
               + ", ".join(f"{c['load'][0]:.1f}-{c['load'][1]:.1f}" for c in cs_all if c.get("load"))
               + f", on {os.cpu_count()} cores.", ""]
+    if any(c["row"] in FLOOR_ROWS and "train_seconds" not in p for c in cs_all for p in c["projects"]):
+        lines += ["The project's floor seconds in these cells are its whole run (site set-up and test scoring "
+                  "included) spread evenly over its rounds, not its training alone: the ratio overstates its "
+                  "cost.", ""]
     return lines
 
 

@@ -114,27 +114,30 @@ def augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return torch.where(contrast[:, None, None, None], adjusted, x)
 
 
-def load_scenario(data: Path, scaling: str, labels: str = "datalist.json", grey_rule: str = "luma") -> tuple:
+def load_scenario(data: Path, scaling: str, labels: str = "datalist.json", grey_rule: str = "luma",
+                  only: str | None = None) -> tuple:
     """A prepared scenario: (classes, [(x, y) per site] from each site's ``labels`` file, (x, y) of the test split);
-    colour images made grey by ``grey_rule`` (``grey``)."""
-    scenario = yaml.safe_load((data / "scenario.yaml").read_text())
+    colour images made grey by ``grey_rule`` (``grey``). A site annotating no class (every label -1) is left out:
+    FedMLP's and FedPSL's clients each annotate some class, so the papers say nothing of a site annotating none;
+    the multi-label references let it sit out every round (the shared rounds average the others), a stated choice
+    (``UNANNOTATED``). ``only``: that site alone (a table's floor), refused if unknown or annotating nothing."""
+    names = yaml.safe_load((data / "scenario.yaml").read_text())
+    classes, names = names["classes"], names["sites"]
+    if only is not None and only not in names:
+        raise ValueError(f"only={only!r}: the scenario's sites are {names}")
     sites = [load_split(data / s, json.loads((data / s / labels).read_text())["training"], scaling, grey_rule)
-             for s in scenario["sites"]]
+             for s in names if only in (None, s)]
+    sites = [(x, y) for x, y in sites if bool((y >= 0).any())]
+    if only is not None and not sites:
+        raise ValueError(f"only={only!r}: {data / only / labels} annotates no class, so the site trains nothing")
     test = load_split(data / "test", json.loads((data / "test" / "datalist.json").read_text())["testing"], scaling,
                       grey_rule)
-    return scenario["classes"], sites, test
+    return classes, sites, test
 
 
-# what the FedAvg-style references do with a site annotating no class (annotating), as their LEFT_OUT says it
+# what the multi-label references do with a site annotating no class (load_scenario), as their LEFT_OUT says it
 UNANNOTATED = {"unannotated_site": "a site annotating no class sits out every round (the papers' clients each "
                                    "annotate some class; the project's sites abstain likewise)"}
-
-
-def annotating(sites: list) -> list:
-    """The sites that annotate some class (a label >= 0). FedMLP's and FedPSL's clients each annotate some class, so
-    the papers say nothing of a site annotating none; the FedAvg-style references let it sit out every round (the
-    shared rounds average the others), a stated choice."""
-    return [(x, y) for x, y in sites if bool((y >= 0).any())]
 
 
 def batcher(gen: torch.Generator, batch_size: int, smallest: int = 2):

@@ -72,10 +72,9 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 3e-5, batch_s
     """FedFixMatch over a prepared partial-label scenario (label -1: not annotated). Test metric: the mean
     one-vs-rest AUROC of the global model on the pooled test split."""
     from . import fedavg
-    from .fedavg_multilabel import ResNet18, annotating, augment, load_scenario, macro_auroc
+    from .fedavg_multilabel import ResNet18, augment, load_scenario, macro_auroc
 
     classes, sites, test = load_scenario(Path(data), scaling, grey_rule=grey)
-    sites = annotating(sites)  # a site annotating no class sits out
     weights = [partial_fedavg.class_weights(y, pos_weight) for _, y in sites]
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)

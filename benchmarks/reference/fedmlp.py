@@ -279,12 +279,11 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 3e-5, batch_s
         log=print) -> dict:
     """FedMLP over a prepared partial-label scenario (label -1: not annotated). Test metric: the mean
     one-vs-rest AUROC of the global model on the pooled test split."""
-    from .fedavg_multilabel import ResNet18, annotating, augment, batcher, load_scenario, macro_auroc
+    from .fedavg_multilabel import ResNet18, augment, batcher, load_scenario, macro_auroc
 
     if degree_sites not in ("missing", "annotating"):
         raise ValueError(f"degree_sites {degree_sites!r}: 'missing' or 'annotating'")
     classes, loaded, test = load_scenario(Path(data), scaling, grey_rule=grey)
-    loaded = annotating(loaded)  # a site annotating no class sits out
     n_classes = len(classes)
     sites = [Site(x, y, logit_adjustment, missing_prior) for x, y in loaded]
     sizes = [len(s.y) for s in sites]

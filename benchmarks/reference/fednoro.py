@@ -88,11 +88,10 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 3e-5, batch_s
     one-vs-rest AUROC of the global model on the pooled test split. ``grey``: how colour images become grey
     (``fedavg_multilabel.grey``); ``augment=False`` trains on the images as loaded (a diagnostic)."""
     from . import fedavg
-    from .fedavg_multilabel import ResNet18, annotating, load_scenario, macro_auroc
+    from .fedavg_multilabel import ResNet18, load_scenario, macro_auroc
     from .fedavg_multilabel import augment as weak
 
     classes, sites, test = load_scenario(Path(data), scaling, grey_rule=grey)
-    sites = annotating(sites)  # a site annotating no class sits out
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     start, loss = rule([partial_fedavg.class_weights(y, pos_weight) for _, y in sites], kd_weight, temperature,

@@ -148,10 +148,9 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 1e-3, epochs:
     ``loss_fn`` ("w/ TDMA"); ``aggregation="fedavg"`` averages every tensor by n_k ("w/ TADL")."""
     if local not in ("tadl", "plain") or aggregation not in ("tdma", "fedavg"):
         raise ValueError(f"local {local!r} ('tadl' or 'plain'), aggregation {aggregation!r} ('tdma' or 'fedavg')")
-    from .fedavg_multilabel import ResNet18, annotating, augment, batcher, load_scenario, macro_auroc
+    from .fedavg_multilabel import ResNet18, augment, batcher, load_scenario, macro_auroc
 
     classes, sites, test = load_scenario(Path(data), scaling, grey_rule=grey)
-    sites = annotating(sites)  # a site annotating no class sits out
     n_classes = len(classes)
     sizes = [len(y) for _, y in sites]
     labeled = [(y >= 0).sum(0).tolist() for _, y in sites]

@@ -21,7 +21,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import yaml
 from torch.nn import functional as F
 
 from . import fedavg_multilabel, fedmlp
@@ -78,16 +77,11 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, partial: bool = True, lr:
     ``oracle``: every site trains on every label (each site's ``oracle.json``), the upper bound's scenario.
     ``only``: that site trains alone (a table's floor); averaging one site's model is the model itself."""
     from . import fedavg
-    from .fedavg_multilabel import ResNet18, annotating, load_scenario, macro_auroc
+    from .fedavg_multilabel import ResNet18, load_scenario, macro_auroc
     from .fedavg_multilabel import augment as weak
 
-    classes, sites, test = load_scenario(Path(data), scaling, "oracle.json" if oracle else "datalist.json", grey)
-    if only is not None:
-        names = yaml.safe_load((Path(data) / "scenario.yaml").read_text())["sites"]
-        if only not in names:
-            raise ValueError(f"only={only!r}: the scenario's sites are {names}")
-        sites = [sites[names.index(only)]]
-    sites = annotating(sites)  # a site annotating no class sits out
+    classes, sites, test = load_scenario(Path(data), scaling, "oracle.json" if oracle else "datalist.json", grey,
+                                         only)
     weights = [class_weights(y, pos_weight) for _, y in sites]
     loss_fn = partial_loss if partial else naive_loss
     torch.manual_seed(seed)

@@ -135,13 +135,12 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, lr: float = 5e-5, batch_s
     (``aggregate``: Eq. 2-3). Augmentation: the bundle's affine and contrast change. ``pos_weight``: the BCE's
     positive weighting (``partial_fedavg.class_weights``; the paper's is "none"). Test metric: the mean
     one-vs-rest AUROC."""
-    from .fedavg_multilabel import ResNet18, annotating, augment, batcher, load_scenario, macro_auroc
+    from .fedavg_multilabel import ResNet18, augment, batcher, load_scenario, macro_auroc
     from .partial_fedavg import class_weights
 
     if optimizer != "adam":
         raise ValueError(f"optimizer {optimizer!r}: the reference runs the released code's Adam")
     classes, sites, test = load_scenario(Path(data), scaling, grey_rule=grey)
-    sites = annotating(sites)  # a site annotating no class sits out
     n_classes = len(classes)
     masks = [(y >= 0).any(0).numpy() for _, y in sites]  # the classes each site annotates
     weights = [class_weights(y, pos_weight) for _, y in sites]

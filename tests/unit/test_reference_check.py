@@ -425,6 +425,8 @@ def test_the_floor_row_is_site_1_alone_on_both_sides(tmp_path):
     assert [sorted(p["metrics"]) for p in cell["projects"]] == [["1", "2"], ["1", "2"]]
     assert sorted(cell["reference_run"]["metrics"]) == ["1", "2"]
     assert all(0 <= run["metrics"]["2"]["auroc"] <= 1 for run in (*cell["projects"], cell["reference_run"]))
+    # the project's seconds per round are its measured training per stretch (one round each here), not its whole run
+    assert all(len(p["train_seconds"]) == 2 and p["seconds"] == p["train_seconds"] for p in cell["projects"])
 
 
 def test_the_fedprox_row_gets_the_references_settings_as_options_the_method_takes():
@@ -591,7 +593,7 @@ def test_every_multilabel_reference_reads_colour_as_the_bundles_do_unless_told(t
     assert sorted(r for r, kind in rc.ROW_KIND.items() if kind == "multilabel") == sorted(MULTILABEL_ROWS)
     seen = []
 
-    def load(data, scaling, labels="datalist.json", grey_rule="luma"):
+    def load(data, scaling, labels="datalist.json", grey_rule="luma", only=None):
         seen.append(grey_rule)
         raise RuntimeError("loaded")
 

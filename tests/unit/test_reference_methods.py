@@ -1250,7 +1250,8 @@ def test_the_upper_bound_reference_trains_on_every_sites_oracle_labels(tmp_path)
 
 def test_the_floor_reference_trains_the_site_alone(tmp_path):
     """``partial_fedavg.run(only=...)``: the same run as a scenario holding that site alone, not the federation's;
-    a site the scenario lacks is refused."""
+    a site the scenario lacks, or one annotating nothing, is refused."""
+    import json
     import shutil
 
     import yaml
@@ -1268,6 +1269,13 @@ def test_the_floor_reference_trains_the_site_alone(tmp_path):
     assert only != partial_fedavg.run(data, 2, {2}, **kw)["metrics"][2]
     with pytest.raises(ValueError, match="site-9"):
         partial_fedavg.run(data, 1, {1}, only="site-9", **kw)
+    # a site annotating nothing: refused naming its labels file, before anything trains
+    items = json.loads((data / "site-2" / "datalist.json").read_text())
+    for it in items["training"]:
+        it["label"] = [-1] * len(it["label"])
+    (data / "site-2" / "datalist.json").write_text(json.dumps(items))
+    with pytest.raises(ValueError, match=r"site-2.datalist\.json annotates no class"):
+        partial_fedavg.run(data, 1, {1}, only="site-2", **kw)
 
 
 def test_im_loss_stays_finite_when_a_class_gets_no_probability():

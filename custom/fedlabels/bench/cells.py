@@ -172,17 +172,21 @@ def run_floor(plan: Plan, cell: Cell, scorer: Scorer, log) -> dict:
     first = plan.eval_rounds[0] * plan.local_epochs
     client = methods.get(floor_method(sc.task)).make_client(st.net, st.context(), **{**plan.floor_client,
                                                                                       "epochs": first})
-    rows, done = [], 0
+    rows, done, train_seconds = [], 0, []
     for i, r in enumerate(plan.eval_rounds):
         client.epochs = (r - done) * plan.local_epochs
+        t0 = time.perf_counter()
         update = client.train(to_numpy(st.net.state_dict()), i)
+        train_seconds.append(time.perf_counter() - t0)
         done = r
         loss = progress.number(update.metrics.get("train_loss"))
         log(f"[{cell.method}] {r * plan.local_epochs} epochs: train_loss={loss}")
         rows += _rows(cell, r, "last", scorer(to_numpy(st.net.state_dict())))
     total = sum(s.summary()["cases"] for s in sc.sites.values())
     cases = sc.site(cell.site).summary()["cases"]
-    return {"rows": rows, "records": [], "share": cases / total, "cases": cases, "total_cases": total}
+    # training alone, per stretch between eval rounds (set-up and scoring excluded): what a round's seconds measure
+    return {"rows": rows, "records": [], "share": cases / total, "cases": cases, "total_cases": total,
+            "train_seconds": train_seconds}
 
 
 # ---------------------------------------------------------------- run
