@@ -432,7 +432,7 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
     if row == "isofed":
         client |= {"pretrain": True, "pretrain_epochs": s["pretrain_epochs"], "pretrain_target": "both",
                    "pretrain_sites": "unlabeled"}
-    server = {"lambda_c": s["sup_scale"], "lambda_unlabeled": s["dist_scale"], "labeled_multiplier": 1.0,
+    server = {"lambda_c": s["sup_scale"], "lambda_unlabeled": s["dist_scale"], "labeled_multiplier": s["w_mul_times"],
               "warmup_rounds": s["warmup_rounds"]}
     if row == "rscfed":  # the subsets are drawn from the run's seed on the project's side, Python's random here
         server |= {"subsets": s["subsets"], "subset_size": s["subset_size"]}

@@ -100,10 +100,11 @@ RSCFED = {
                                                           "client's iteration count over all rounds"),
     "meta_round": (3, f"{_README}: --meta_round=3, the number of sub-consensus models a round"),
     "meta_client_num": (5, f"{_README}: --meta_client_num=5 of its 10 clients (train_main.py random.sample)"),
-    "w_mul_times_rule": ("see source", "train_main.py: with --un_dist '' (options.py default) a chosen labeled "
-                                       "client's count is multiplied before the average and its coefficient "
-                                       "multiplied again (m^2 n exp(...)); with the README's --un_dist=avg only "
-                                       "the coefficient (m n exp(...))"),
+    "w_mul_times_rule": ("coefficient only", "train_main.py: with the README's --un_dist=avg a chosen labeled "
+                                             "client's coefficient is multiplied (m n exp(...)), the average its "
+                                             "distance is taken from is by counts; with --un_dist '' (options.py "
+                                             "default) its count is multiplied before the average and its "
+                                             "coefficient again (m^2 n exp(...))"),
 }
 
 # What the reference runs beside the project's rows (``benchmarks/reference_check.py --rows``): RSCFed's values
@@ -114,6 +115,7 @@ CHECK = {"optimizer": "sgd", "lr": RSCFED["lr_labeled"][0], "lr_unlabeled": RSCF
          "epochs": RSCFED["local_epochs"][0], "lambda_u": RSCFED["lambda_u"][0],
          "temperature": RSCFED["temperature"][0], "ema_alpha": round(1 - RSCFED["ema_decay"][0], 12),
          "sup_scale": RSCFED["sup_scale"][0], "dist_scale": RSCFED["dist_scale"][0],
+         "w_mul_times": RSCFED["w_mul_times"][0],
          "carry_optimizer": RSCFED["carry_optimizer"][0], "max_grad_norm": RSCFED["max_grad_norm"][0],
          "augment": "hflip", "strong": "hflip", "scaling": "fixed", "distance": "paper", "pretrain_epochs": 1,
          "subsets": RSCFED["meta_round"][0], "subset_size": 3, "warmup_rounds": 0}
@@ -193,19 +195,21 @@ def sum_of_norms(a: dict, b: dict) -> float:
 DISTANCES = {"paper": flat_distance, "rscfed": sum_of_norms}
 
 
-def dynamic_weights(states: list, n, scale: float, distance: str = "paper") -> np.ndarray:
-    """Eq. 3's c_k / sum c_k (Eq. 2's W_avg by n_k): n_k exp(-scale d_k / n_k), d_k = distance(W_k, W_avg)."""
+def dynamic_weights(states: list, n, scale: float, distance: str = "paper", mul=None) -> np.ndarray:
+    """Eq. 3's c_k / sum c_k (Eq. 2's W_avg by n_k): m_k n_k exp(-scale d_k / n_k), d_k = distance(W_k, W_avg);
+    ``mul`` m_k (default 1): RSCFed's --w_mul_times on a labeled client's coefficient (``w_mul_times_rule``)."""
     n = np.asarray(n, dtype=np.float64)
+    m = np.ones_like(n) if mul is None else np.asarray(mul, dtype=np.float64)
     avg = mean_state(states, n)
     d = np.array([DISTANCES[distance](s, avg) for s in states])
     z = -scale * d / n
-    c = n * np.exp(z - z.max())  # the common factor exp(max z) cancels in the ratio
+    c = m * n * np.exp(z - z.max())  # the common factor exp(max z) cancels in the ratio
     return c / c.sum()
 
 
-def wfedavg(states: list, n, scale: float, distance: str = "paper") -> dict:
+def wfedavg(states: list, n, scale: float, distance: str = "paper", mul=None) -> dict:
     """Dynamically weighted FedAvg of ``states``."""
-    return mean_state(states, dynamic_weights(states, n, scale, distance))
+    return mean_state(states, dynamic_weights(states, n, scale, distance, mul))
 
 
 # ---------------------------------------------------------------- views
@@ -389,7 +393,8 @@ def one_round(method: str, sites: list, weights: dict, s: dict, gen, dropped: li
             dropped.extend(getattr(t, "name", str(i)) for i, (t, st) in enumerate(trained) if not finite(st))
         if not kept:
             return None
-        return wfedavg([st for _, st in kept], [t.n for t, _ in kept], scale, s["distance"])
+        return wfedavg([st for _, st in kept], [t.n for t, _ in kept], scale, s["distance"],
+                       [s["w_mul_times"] if t.labeled else 1.0 for t, _ in kept])
 
     def scale(members):
         return s["sup_scale"] if any(t.labeled for t in members) else s["dist_scale"]

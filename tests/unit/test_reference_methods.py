@@ -238,27 +238,30 @@ class TensorStub(Stub):
 
 
 @pytest.mark.parametrize("method", ["isofed", "mt_wfedavg", "wfedavg", "rscfed"])
-@pytest.mark.parametrize("scales", [(1.0, 1e4), (0.3, 2.0)])
+@pytest.mark.parametrize("scales", [(1.0, 1e4, 1.0), (0.3, 2.0, 1.0), (0.3, 2.0, 6.0)])
 def test_project_semisup_servers_equal_the_reference_round(method, scales):
+    """Third case: RSCFed's labeled multiplier (README --w_mul_times=6, on the coefficient only)."""
     from fedlabels.methods.semisup import IsoFedServer, RSCFedServer, WeightedFedAvgServer
 
-    sup, dist = scales
+    sup, dist, mul = scales
     names = ["L1", "L2", "U1", "U2"] if method != "wfedavg" else ["L1", "L2", "L3"]
     deltas = dict(zip(names, _random_states(len(names), 7)))
     n = dict(zip(names, [50, 20, 35, 90][:len(names)]))
     start = _random_states(1, 3)[0]
     if method == "rscfed":  # subsets of 2: at seed 5 one holds only unlabeled sites, so both scales are used
-        server = RSCFedServer(subsets=3, subset_size=2, seed=5, lambda_c=sup, lambda_unlabeled=dist)
+        server = RSCFedServer(subsets=3, subset_size=2, seed=5, lambda_c=sup, lambda_unlabeled=dist,
+                              labeled_multiplier=mul)
         draws = [[names.index(x) for x in g] for g in server.draw(0, names)]
         assert any(all(names[i].startswith("U") for i in d) for d in draws)
         assert any(any(names[i].startswith("L") for i in d) for d in draws)
     else:
-        server = (IsoFedServer if method == "isofed" else WeightedFedAvgServer)(lambda_c=sup, lambda_unlabeled=dist)
+        server = (IsoFedServer if method == "isofed" else WeightedFedAvgServer)(lambda_c=sup, lambda_unlabeled=dist,
+                                                                                 labeled_multiplier=mul)
         draws = None
     got, seen = _engine_round(server, deltas, n, start)
     sites = [TensorStub(s, s.startswith("L"), n[s], deltas[s]) for s in names]
-    want = ref.one_round(method, sites, _torch(start), {**ref.CHECK, "sup_scale": sup, "dist_scale": dist}, None,
-                         draws=draws)
+    want = ref.one_round(method, sites, _torch(start),
+                         {**ref.CHECK, "sup_scale": sup, "dist_scale": dist, "w_mul_times": mul}, None, draws=draws)
     for k in start:
         np.testing.assert_allclose(got[k], want[k].numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
     for site in sites:  # each site received the same models, as often, on both sides

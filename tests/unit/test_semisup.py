@@ -65,6 +65,19 @@ def test_scale_depends_on_whether_the_group_holds_a_labeled_site():
     np.testing.assert_allclose(out["w"], [0.75, 1.0])
 
 
+def test_labeled_multiplier_weighs_the_coefficient_not_the_average():
+    """RSCFed's README run (--w_mul_times=6 --un_dist=avg): the distances are taken from the average by counts;
+    the multiplier scales the labeled site's coefficient only."""
+    server = WeightedFedAvgServer(lambda_c=1.0, labeled_multiplier=3.0)
+    server.setup(summaries(labeled=["L"], unlabeled=["U1"]))
+    mixed = [upd("L", [0, 0], 1), upd("U1", [3, 4], 1)]
+    # W_avg = [1.5, 2] (by counts), d = 2.5 for both; c = (3 exp(-2.5), exp(-2.5)) -> (0.75, 0.25). Had the
+    # multiplier weighed the average too ([0.75, 1]: d = 1.25, 3.75), L would get 3 e^-1.25 / (3 e^-1.25 + e^-3.75)
+    np.testing.assert_allclose(server.weights(mixed, {"w": np.zeros(2, np.float32)}), [0.75, 0.25])
+    old = 3 * math.exp(-1.25) / (3 * math.exp(-1.25) + math.exp(-3.75))
+    assert old == pytest.approx(0.9734, abs=1e-4)
+
+
 def test_setup_needs_a_labeled_site_and_says_when_none_is_unlabeled():
     with pytest.raises(ValueError, match="no site has a labeled training case"):
         IsoFedServer().setup(summaries(unlabeled=["a", "b"]))

@@ -93,14 +93,16 @@ def model_distance(a: dict, b: dict) -> float:
 def distance_weights(updates: list, global_weights: dict, scale: float, multipliers=None) -> np.ndarray:
     """Dynamically weighted FedAvg's coefficients (IsoFed Eq. 2-3, RSCFed's rule).
 
-    W_avg = sum_k m_k n_k W_k / sum_k m_k n_k; c_k = m_k n_k exp(-scale ||W_k - W_avg||_2 / n_k),
-    normalised to sum 1. ``multipliers`` m_k (default 1) amplify some sites
-    (RSCFed's labeled-site multiplier). An update far from the mean gets an
-    exponentially small weight; scale 0 is plain FedAvg by n_k.
+    W_avg = sum_k n_k W_k / sum_k n_k; c_k = m_k n_k exp(-scale ||W_k - W_avg||_2 / n_k),
+    normalised to sum 1. ``multipliers`` m_k (default 1) amplify some sites'
+    coefficients only, not the average their distances are taken from (RSCFed's
+    labeled-site multiplier as its README runs it, ``--w_mul_times=6
+    --un_dist=avg``, train_main.py). An update far from the mean gets an
+    exponentially small weight; scale 0 is FedAvg by m_k n_k.
     """
     n = np.asarray([u.n for u in updates], dtype=np.float64)
     m = np.ones_like(n) if multipliers is None else np.asarray(multipliers, dtype=np.float64)
-    avg = average_keys(updates, global_weights, m * n)
+    avg = average_keys(updates, global_weights, n)
     d = np.asarray([model_distance({k: u.weights[k] for k in avg if k in u.weights},
                                    {k: avg[k] for k in avg if k in u.weights}) for u in updates])
     # exp of (exponent - its max): the same ratios without underflow to 0/0.
