@@ -385,6 +385,16 @@ ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multila
             "fedfixmatch": "multilabel", "fednoro": "multilabel",
             "fedmix": "segmentation",
             "oracle:fedadaptagg": "segmentation"}
+
+
+def row_kind(row: str, preset: str | None = None) -> str:
+    """The kind of preset ``row``'s reference trains: a floor row's is its preset's (a site trained alone has a
+    reference of each kind); ``preset`` None: the floor's multi-label reference."""
+    if row in FLOOR_ROWS and preset is not None:
+        return REFERENCES[preset][0]
+    return ROW_KIND.get(row, "classification")
+
+
 SEED_OFFSET = 1000  # the project's second training seed on split s is s + SEED_OFFSET
 # The project's strong view is its weak view further transformed (fedlabels.site.TwoViews); a second random
 # left-right flip of the flipped view is, in distribution, a second independent flip: RSCFed's second weak view.
@@ -405,7 +415,9 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         return fedmlp_settings(preset, s)
     if row in FEDPSL_ABLATIONS:
         return fedpsl_settings(preset, s, row)
-    if row in ("fedavg", "fedavg_pl", "oracle:fedavg_pl", *FLOOR_ROWS, "fedprox", "fedfixmatch", "fednoro"):
+    floor = row in FLOOR_ROWS
+    if row in ("fedavg", "fedavg_pl", "oracle:fedavg_pl", "fedprox", "fedfixmatch", "fednoro") or \
+            (floor and row_kind(row, preset) == "multilabel"):
         return partial_fedavg_settings(preset, row, s)
     if ROW_KIND.get(row) == "segmentation":
         return fedmix_settings(preset, row, s)
@@ -426,6 +438,9 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
               "reset_optimizer": not s["carry_optimizer"], "clip_grad_norm": s["max_grad_norm"]}
     if s["optimizer"] == "sgd":
         client["momentum"] = s["momentum"]
+    if floor:  # the labeled site alone (wFedAvg's reference on it): its client options, no server
+        return {"opts": [f"local:{k}={json.dumps(v)}" for k, v in client.items()], "batch_size": s["batch_size"],
+                "local_epochs": s["epochs"], "config": {}}
     if row != "oracle:wfedavg":
         client |= {"consistency_weight": s["lambda_u"], "temperature": s["temperature"], "ema_alpha": s["ema_alpha"],
                    "lr_unlabeled": s.get("lr_unlabeled")}
@@ -539,9 +554,13 @@ def fedmix_settings(preset: str, row: str, s: dict) -> dict:
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
 
 
-def method_reference(row: str):
-    """The module of ``benchmarks/reference/`` that implements ``row``'s method."""
+def method_reference(row: str, preset: str | None = None):
+    """The module of ``benchmarks/reference/`` that implements ``row``'s method (a floor row's: by its preset's
+    kind, ``row_kind``)."""
     from reference import fedfixmatch, fedmix, fedmlp, fednoro, fedprox, fedpsl, partial_fedavg, semisup, surgical
+
+    if row in FLOOR_ROWS and row_kind(row, preset) == "classification":
+        return semisup  # wFedAvg of the one labeled site
 
     return {"surgical": surgical, "fedmlp": fedmlp, "fedpsl": fedpsl, "fedpsl_tdma": fedpsl, "fedpsl_tadl": fedpsl,
             "fedmix": fedmix,
@@ -553,8 +572,10 @@ def method_reference(row: str):
 
 
 def refuse_options(row: str, augment: bool = True, grey: str | None = None, reference_runs: int = 1,
-                   widen: float | None = None, eval_rounds: list | None = None, carry_optimizer: bool = False) -> None:
-    """Options ``row``'s reference cannot take, refused before anything trains (ValueError naming the option)."""
+                   widen: float | None = None, eval_rounds: list | None = None, carry_optimizer: bool = False,
+                   preset: str | None = None) -> None:
+    """Options ``row``'s reference (on ``preset``) cannot take, refused before anything trains (ValueError naming
+    the option)."""
     if row in FLOOR_ROWS and eval_rounds and not carry_optimizer and \
             eval_rounds != [eval_rounds[0] * (i + 1) for i in range(len(eval_rounds))]:
         raise ValueError(f"--eval-rounds {','.join(map(str, eval_rounds))}: with a fresh optimizer at each, the "
@@ -562,8 +583,10 @@ def refuse_options(row: str, augment: bool = True, grey: str | None = None, refe
                          "the first (e.g. 10,20,30)")
     from reference import fednoro, partial_fedavg
 
-    multilabel = ROW_KIND.get(row) == "multilabel"
-    if not augment and method_reference(row) not in (partial_fedavg, fednoro):
+    if row in FLOOR_ROWS and row_kind(row, preset) == "segmentation":
+        raise ValueError(f"{row}: the floor rows have multi-label and classification references, not {preset}'s")
+    multilabel = row_kind(row, preset) == "multilabel"
+    if not augment and method_reference(row, preset) not in (partial_fedavg, fednoro):
         raise ValueError(f"--no-augmentation: only the references of FedAvg, FedAvg-PL (partial_fedavg.py) and "
                          f"FedNoRo (fednoro.py) have it, not {row}'s")
     if grey is not None and not multilabel:
@@ -586,10 +609,10 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
     width on both sides instead of the preset's."""
     from reference import fedmix, fednoro, partial_fedavg, semisup
 
-    reference = method_reference(row)
+    reference = method_reference(row, preset)
     s = {**reference.CHECK, **(settings or {})}
-    refuse_options(row, augment, grey, reference_runs, widen, eval_rounds, bool(s.get("carry_optimizer")))
-    multilabel = ROW_KIND.get(row) == "multilabel"
+    refuse_options(row, augment, grey, reference_runs, widen, eval_rounds, bool(s.get("carry_optimizer")), preset)
+    multilabel = row_kind(row, preset) == "multilabel"
     grey = grey or "mean"  # the bundles' rule (Ensure2DChannelsd); cells before it was an option read luma
     proj = project_settings(preset, row, s)
     proj["config"] = {**proj["config"], **(config or {})}
@@ -621,6 +644,9 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
         ref = refs[0]
     elif reference is fedmix:
         ref = fedmix.run(data, rounds, set(eval_rounds), seed=split, method=method, oracle=oracle, log=log, **s)
+    elif row in FLOOR_ROWS:  # the labeled site alone: wFedAvg of one site, in rounds as floor_reference maps them
+        ref = floor_reference(lambda d, r, ev, **kw: semisup.run(d, "wfedavg", r, ev, **kw), data, eval_rounds,
+                              split, log, {**s, "only": row.split(":", 1)[1]})
     else:
         ref = semisup.run(data, method, rounds, set(eval_rounds), seed=split, oracle=oracle, log=log, **(settings or {}))
     ref["metrics"] = {str(k): v for k, v in ref["metrics"].items()}
@@ -819,10 +845,10 @@ def _fedavg_section(label, scaling, cs, tolerance) -> list:
     return lines + [""]
 
 
-def _settings_text(s: dict, row: str) -> str:
+def _settings_text(s: dict, row: str, preset: str | None = None) -> str:
     from reference import fedmix, semisup, surgical
 
-    if ROW_KIND.get(row) == "segmentation":
+    if row_kind(row, preset) == "segmentation":
         used = ", ".join(f"{k} {v}" for k, v in s.items())
         left = "; ".join(f"{k}: {v}" for k, v in fedmix.LEFT_OUT.items())
         return (f"Both sides train with the reference's settings (`benchmarks/reference/fedmix.py` `CHECK`, the "
@@ -836,9 +862,9 @@ def _settings_text(s: dict, row: str) -> str:
                 + f". The project's row is given the settings as options (`project_options` in each cell). Not the "
                 f"paper's, and what runs instead: {left}.")
 
-    if ROW_KIND.get(row) == "multilabel" and row != "surgical":
+    if row_kind(row, preset) == "multilabel" and row != "surgical":
         used = ", ".join(f"{k} {v}" for k, v in s.items())
-        ref = method_reference(row)
+        ref = method_reference(row, preset)
         name = ref.__name__.rsplit(".", 1)[-1]
         left = "; ".join(f"{k}: {v}" for k, v in ref.LEFT_OUT.items())
         where = ("a stated choice (FedPSL has no released code)" if row in ("fedprox", *FEDPSL_ABLATIONS)
@@ -871,13 +897,35 @@ def _settings_text(s: dict, row: str) -> str:
     used = ", ".join(f"{k} {s[k]}" for k in ("optimizer", "lr", "momentum", "weight_decay", "batch_size", "epochs",
                                                "lambda_u", "temperature", "ema_alpha", "sup_scale", "dist_scale",
                                                "carry_optimizer", "max_grad_norm", "augment", "strong", "scaling",
-                                               "distance", "pretrain_epochs", "subsets", "subset_size", "warmup_rounds")
-                     if k in s)  # cells older than RSCFed's reference have no subsets (nor warmup_rounds)
+                                               "distance", "pretrain_epochs", "subsets", "subset_size", "warmup_rounds", "w_mul_times")
+                     if k in s)  # older cells lack the later settings (subsets, warmup_rounds, w_mul_times)
     left = "; ".join(f"{k}: {v}" for k, v in semisup.left_out(s).items())
+    floor = (" Each floor row's labeled site trains alone on both sides (the table's floor): the project's floor "
+             "trains on to each eval round (`fedlabels.bench.run_floor`, the options as `local:` items); the "
+             "reference is wFedAvg's on that site alone (`semisup.run(only=...)`), in rounds of as many epochs as the "
+             "stretch between eval rounds, or, with the optimizer carried, as their greatest common divisor "
+             "(`floor_reference`)." if row in FLOOR_ROWS else "")
     return (f"Both sides train with the reference's settings (`benchmarks/reference/semisup.py` `CHECK`, taken from "
             f"RSCFed's released code, whose values and sources are its `RSCFED`): {used}. The project's row is given "
-            f"them as options (`project_options` in each cell). RSCFed's values not used here, and what runs "
+            f"them as options (`project_options` in each cell).{floor} RSCFed's values not used here, and what runs "
             f"instead: {left}.")
+
+
+def _row_settings_text(cs_all: list) -> str:
+    """The settings of the section's other rows of the same reference where they differ from its first cell's (a
+    setting a cell does not record is the reference's CHECK value: older cells predate it)."""
+    preset, first = cs_all[0]["preset"], cs_all[0]
+    ref = method_reference(first["row"], preset)
+    parts = []
+    for row in dict.fromkeys(c["row"] for c in cs_all):
+        if method_reference(row, preset) is not ref:
+            continue
+        s = next(c["reference"] for c in cs_all if c["row"] == row)
+        full, base = {**ref.CHECK, **s}, {**ref.CHECK, **first["reference"]}
+        diff = [f"{k} {full[k]}" for k in full if full[k] != base.get(k)]
+        if diff:
+            parts.append(f"`{row}` {', '.join(diff)}")
+    return f" Where a row's settings differ from these: {'; '.join(parts)}." if parts else ""
 
 
 _SCALINGS = {"fixed": "0-255 to [-1, 1]", "minmax": "each image to [0, 1] by its own min and max"}
@@ -917,7 +965,8 @@ def _methods_section(label, preset, cs_all, tolerance) -> list:
     rows = [r for r in METHOD_ROWS if any(c["row"] == r for c in cs_all)]
     nref = max(len(reference_runs(c)) for c in cs_all)
     lines = [f"## {label}: the methods against their references (preset `{preset}`, splits {splits})", "",
-             _input_text(preset, cs_all) + _settings_text(cs_all[0]["reference"], cs_all[0]["row"]), "",
+             _input_text(preset, cs_all) + _settings_text(cs_all[0]["reference"], cs_all[0]["row"], preset)
+             + _row_settings_text(cs_all), "",
              f"Per split the project ran twice (training seeds s and s + {SEED_OFFSET}, columns A and B) and the "
              + ("reference once (seed s)" if nref == 1 else f"reference {nref} times (its column: their mean; below)")
              + ". d = mean(A, B) - reference per split; seed-to-seed = A - B per split. "
@@ -1165,7 +1214,7 @@ def _splits(args) -> tuple:
     return seeds, eval_rounds
 
 
-def _settings(items: list, rows: list) -> dict:
+def _settings(items: list, rows: list, preset: str | None = None) -> dict:
     """``--set KEY=VALUE`` items as reference settings; a key the rows' references do not have stops here."""
     out = {}
     for item in items:
@@ -1173,7 +1222,7 @@ def _settings(items: list, rows: list) -> dict:
         if not sep:
             raise SystemExit(f"--set {item!r}: KEY=VALUE")
         for row in rows:
-            check = method_reference(row).CHECK
+            check = method_reference(row, preset).CHECK
             if key not in check:
                 raise SystemExit(f"--set {key}: not a setting of row {row}'s reference ({', '.join(check)})")
         try:
@@ -1191,18 +1240,18 @@ def main_methods(args, config: dict | None = None) -> None:
     unknown = [r for r in rows if r not in METHOD_ROWS]
     if unknown:
         raise SystemExit(f"--rows {unknown}: the method references cover {sorted(METHOD_ROWS)}")
-    wrong = [r for r in rows if ROW_KIND.get(r, "classification") != kind]
+    wrong = [r for r in rows if row_kind(r, args.preset) != kind]
     if wrong:
         raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl and its "
                          "ablations, fedavg, fedavg_pl, fedprox, fedfixmatch, fednoro: a "
                          "multi-label preset; fedmix: a segmentation preset; the others: a classification preset)")
     seeds, eval_rounds = _splits(args)
-    settings = _settings(args.set, rows)
+    settings = _settings(args.set, rows, args.preset)
     for row in rows:  # every row's options, before the first cell trains
-        carry = {**method_reference(row).CHECK, **settings}.get("carry_optimizer", False)
+        carry = {**method_reference(row, args.preset).CHECK, **settings}.get("carry_optimizer", False)
         try:
             refuse_options(row, not args.no_augmentation, args.reference_grey, args.reference_runs, args.widen,
-                           eval_rounds, bool(carry))
+                           eval_rounds, bool(carry), args.preset)
         except ValueError as e:
             raise SystemExit(f"--rows {row}: {e}") from None
     out = Path(args.out)

@@ -422,17 +422,22 @@ def draw_subsets(rng: random.Random, n_sites: int, s: dict) -> list:
     return [rng.sample(range(n_sites), s["subset_size"]) for _ in range(s["subsets"])]
 
 
-def read_sites(data: Path, channels: int, scaling: str, oracle: bool) -> tuple:
-    """[(images, labels, labeled)] per site from the scenario folder, and the test split."""
+def read_sites(data: Path, channels: int, scaling: str, oracle: bool, only: str | None = None) -> tuple:
+    """[(images, labels, labeled)] per site from the scenario folder (``only``: that site alone, which must be
+    labeled), and the test split."""
     scenario = yaml.safe_load((data / "scenario.yaml").read_text())
+    if only is not None and only not in scenario["sites"]:
+        raise ValueError(f"only={only!r}: the scenario's sites are {scenario['sites']}")
     out = []
-    for name in scenario["sites"]:
+    for name in scenario["sites"] if only is None else [only]:
         items = json.loads((data / name / ("oracle.json" if oracle else "datalist.json")).read_text())["training"]
         x, y = load_split(data / name, items, channels, scaling)
         known = y >= 0
         if known.any() and not known.all():
             raise ValueError(f"{data / name}: a site here is either fully labeled or fully unlabeled "
                              f"({int(known.sum())} of {len(y)} cases labeled)")
+        if only is not None and not known.all():
+            raise ValueError(f"only={only!r}: {data / name} is unlabeled; a site trained alone needs its labels")
         out.append((x, y, bool(known.all())))
     test = load_split(data / "test", json.loads((data / "test" / "datalist.json").read_text())["testing"],
                       channels, scaling)
@@ -440,14 +445,15 @@ def read_sites(data: Path, channels: int, scaling: str, oracle: bool) -> tuple:
 
 
 def run(data, method: str, rounds: int, eval_rounds, seed: int = 0, oracle: bool = False, channels: int = 3,
-        log=print, **settings) -> dict:
-    """``method`` on a prepared scenario; test metrics at each eval round and the seconds of every round."""
+        log=print, only: str | None = None, **settings) -> dict:
+    """``method`` on a prepared scenario; test metrics at each eval round and the seconds of every round.
+    ``only``: that labeled site trains alone (a table's floor; ``wfedavg`` of one site is its own model)."""
     s = {**CHECK, **settings}
     unknown = set(settings) - set(CHECK)
     if unknown:
         raise ValueError(f"unknown settings {sorted(unknown)}; settings: {sorted(CHECK)}")
     data = Path(data)
-    raw, test, classes = read_sites(data, channels, s["scaling"], oracle)
+    raw, test, classes = read_sites(data, channels, s["scaling"], oracle, only)
     if not any(lab for _, _, lab in raw):
         raise ValueError(f"{data}: no labeled site")
     torch.manual_seed(seed)

@@ -429,6 +429,32 @@ def test_the_floor_row_is_site_1_alone_on_both_sides(tmp_path):
     assert all(len(p["train_seconds"]) == 2 and p["seconds"] == p["train_seconds"] for p in cell["projects"])
 
 
+def test_a_classification_floor_row_is_the_labeled_site_alone_on_both_sides(tmp_path):
+    """``local:site-1`` on a classification preset: the project's floor gets the semi-supervised reference's client
+    options as ``local:`` items (no server, no unlabeled-site options); the reference is wFedAvg's on that site
+    alone; a segmentation preset's floor is refused."""
+    import reference_check as rc
+    from fedlabels.data.synthetic import generate
+    from reference import semisup
+
+    row = rc.FLOOR_ROWS[0]
+    assert rc.method_reference(row, "isofed") is semisup and rc.row_kind(row, "isofed") == "classification"
+    got = rc.project_settings("isofed", row, dict(semisup.CHECK))
+    opts = dict(o.split("=", 1) for o in got["opts"])
+    assert {o.split(":", 1)[0] for o in opts} == {"local"}
+    assert opts["local:optimizer"] == '"sgd"' and opts["local:reset_optimizer"] == "false"
+    assert not {"local:lambda_c", "local:consistency_weight", "local:warmup_rounds"} & set(opts)
+    with pytest.raises(ValueError, match="floor rows have multi-label and classification"):
+        rc.refuse_options(row, preset="fedmix")
+    data = generate("medmnist", tmp_path / "m", seed=0, cases=160, test_cases=16, labeled=[0])
+    cell = rc.compare_methods("isofed", row, data, 0, 2, [1, 2], tmp_path / "work", log=lambda m: None,
+                              settings={"batch_size": 16})
+    assert [sorted(p["metrics"]) for p in cell["projects"]] == [["1", "2"], ["1", "2"]]
+    assert sorted(cell["reference_run"]["metrics"]) == ["1", "2"]
+    assert all(0 <= run["metrics"]["2"]["accuracy"] <= 1 for run in (*cell["projects"], cell["reference_run"]))
+    assert "labeled site trains alone" in rc._settings_text(cell["reference"], row, "isofed")
+
+
 def test_the_fedprox_row_gets_the_references_settings_as_options_the_method_takes():
     import reference_check as rc
     from fedlabels.methods import get

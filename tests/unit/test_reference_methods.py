@@ -1281,6 +1281,29 @@ def test_the_floor_reference_trains_the_site_alone(tmp_path):
         partial_fedavg.run(data, 1, {1}, only="site-2", **kw)
 
 
+def test_the_classification_floor_reference_trains_the_labeled_site_alone(tmp_path):
+    """``semisup.run(only=...)``: wFedAvg on a scenario holding that labeled site alone, not the federation's; an
+    unknown or unlabeled site is refused."""
+    import shutil
+
+    import yaml
+    from fedlabels.data.synthetic import generate
+
+    data = generate("medmnist", tmp_path / "m", seed=0, cases=160, test_cases=16, labeled=[0])
+    scenario = yaml.safe_load((data / "scenario.yaml").read_text())
+    alone = tmp_path / "alone"
+    shutil.copytree(data, alone)
+    (alone / "scenario.yaml").write_text(yaml.safe_dump({**scenario, "sites": ["site-1"]}))
+    kw = {"batch_size": 16, "log": lambda m: None}
+    only = ref.run(data, "wfedavg", 2, {2}, only="site-1", **kw)["metrics"][2]
+    assert only == ref.run(alone, "wfedavg", 2, {2}, **kw)["metrics"][2]
+    assert only != ref.run(data, "wfedavg", 2, {2}, oracle=True, **kw)["metrics"][2]
+    with pytest.raises(ValueError, match="site-9"):
+        ref.run(data, "wfedavg", 1, {1}, only="site-9", **kw)
+    with pytest.raises(ValueError, match="site-2 is unlabeled"):
+        ref.run(data, "wfedavg", 1, {1}, only="site-2", **kw)
+
+
 def test_im_loss_stays_finite_when_a_class_gets_no_probability():
     """A collapsed model gives a class probability 0 in float32; 0 log 0 counts 0 and the gradient stays finite
     (the reference's sites turned non-finite on BloodMNIST gamma 0.8 before this)."""
