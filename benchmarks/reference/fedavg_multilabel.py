@@ -121,8 +121,8 @@ def load_scenario(data: Path, scaling: str, labels: str = "datalist.json", grey_
     FedMLP's and FedPSL's clients each annotate some class, so the papers say nothing of a site annotating none;
     the multi-label references let it sit out every round (the shared rounds average the others), a stated choice
     (``UNANNOTATED``). ``only``: that site alone (a table's floor), refused if unknown or annotating nothing."""
-    names = yaml.safe_load((data / "scenario.yaml").read_text())
-    classes, names = names["classes"], names["sites"]
+    scenario = yaml.safe_load((data / "scenario.yaml").read_text())
+    classes, names = scenario["classes"], scenario["sites"]
     if only is not None and only not in names:
         raise ValueError(f"only={only!r}: the scenario's sites are {names}")
     sites = [load_split(data / s, json.loads((data / s / labels).read_text())["training"], scaling, grey_rule)

@@ -227,6 +227,19 @@ def test_the_released_code_preset_rows_get_its_views_and_warm_start(tmp_path):
     assert "no random crop" not in text and "no random crop" in rc._settings_text(dict(semisup.CHECK), "isofed")
 
 
+def test_a_section_names_a_rows_settings_where_they_differ_from_its_first_cell():
+    """An older cell records no ``w_mul_times`` (the reference's 1 then); a row run with 6 is named with it."""
+    import reference_check as rc
+    from reference import semisup
+
+    old = {k: v for k, v in semisup.CHECK.items() if k != "w_mul_times"}
+    cells = [{"preset": "isofed_rscfed", "row": "isofed", "reference": old},
+             {"preset": "isofed_rscfed", "row": "mt_wfedavg", "reference": {**old, "w_mul_times": 6}},
+             {"preset": "isofed_rscfed", "row": "oracle:wfedavg", "reference": {**old, "w_mul_times": 1.0}}]
+    assert rc._row_settings_text(cells) == " Where a row's settings differ from these: `mt_wfedavg` w_mul_times 6."
+    assert rc._row_settings_text(cells[::2]) == ""
+
+
 def test_verdict_needs_both_criteria():
     import reference_check as rc
 
