@@ -894,17 +894,20 @@ def _settings_text(s: dict, row: str, preset: str | None = None) -> str:
                 f"`--set`: {used}; the BCE over each site's own classes and the unweighted feature mean. The project's row is given them as options (`project_options` in each "
                 f"cell). Not the paper's, and what runs instead: {left}.")
 
-    used = ", ".join(f"{k} {s[k]}" for k in ("optimizer", "lr", "momentum", "weight_decay", "batch_size", "epochs",
-                                               "lambda_u", "temperature", "ema_alpha", "sup_scale", "dist_scale",
-                                               "carry_optimizer", "max_grad_norm", "augment", "strong", "scaling",
-                                               "distance", "pretrain_epochs", "subsets", "subset_size", "warmup_rounds", "w_mul_times")
-                     if k in s)  # older cells lack the later settings (subsets, warmup_rounds, w_mul_times)
-    left = "; ".join(f"{k}: {v}" for k, v in semisup.left_out(s).items())
+    floor = row in FLOOR_ROWS  # one labeled site alone: no unlabeled site, no aggregation
+    keys = (("optimizer", "lr", "momentum", "weight_decay", "batch_size", "epochs", "carry_optimizer", "max_grad_norm",
+             "augment", "scaling") if floor else
+            ("optimizer", "lr", "momentum", "weight_decay", "batch_size", "epochs", "lambda_u", "temperature",
+             "ema_alpha", "sup_scale", "dist_scale", "carry_optimizer", "max_grad_norm", "augment", "strong", "scaling",
+             "distance", "pretrain_epochs", "subsets", "subset_size", "warmup_rounds", "w_mul_times"))
+    used = ", ".join(f"{k} {s[k]}" for k in keys if k in s)  # older cells lack later settings (w_mul_times, ...)
+    left = "; ".join(f"{k}: {v}" for k, v in semisup.left_out(s).items()
+                     if not floor or k in ("augment", "rounds", "scaling"))
     floor = (" Each floor row's labeled site trains alone on both sides (the table's floor): the project's floor "
              "trains on to each eval round (`fedlabels.bench.run_floor`, the options as `local:` items); the "
              "reference is wFedAvg's on that site alone (`semisup.run(only=...)`), in rounds of as many epochs as the "
              "stretch between eval rounds, or, with the optimizer carried, as their greatest common divisor "
-             "(`floor_reference`)." if row in FLOOR_ROWS else "")
+             "(`floor_reference`)." if floor else "")
     return (f"Both sides train with the reference's settings (`benchmarks/reference/semisup.py` `CHECK`, taken from "
             f"RSCFed's released code, whose values and sources are its `RSCFED`): {used}. The project's row is given "
             f"them as options (`project_options` in each cell).{floor} RSCFed's values not used here, and what runs "

@@ -465,7 +465,9 @@ def test_a_classification_floor_row_is_the_labeled_site_alone_on_both_sides(tmp_
     assert [sorted(p["metrics"]) for p in cell["projects"]] == [["1", "2"], ["1", "2"]]
     assert sorted(cell["reference_run"]["metrics"]) == ["1", "2"]
     assert all(0 <= run["metrics"]["2"]["accuracy"] <= 1 for run in (*cell["projects"], cell["reference_run"]))
-    assert "labeled site trains alone" in rc._settings_text(cell["reference"], row, "isofed")
+    text = rc._settings_text(cell["reference"], row, "isofed")
+    assert "labeled site trains alone" in text and "batch_size 16" in text
+    assert not any(k in text for k in ("lambda_u", "warmup_rounds", "warm_start", "subsets"))  # no federation here
 
 
 def test_the_fedprox_row_gets_the_references_settings_as_options_the_method_takes():
