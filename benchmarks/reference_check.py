@@ -58,6 +58,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference import fedavg_classification, fedavg_multilabel, fedavg_segmentation  # noqa: E402
@@ -1199,6 +1200,7 @@ def main(argv=None) -> None:
         result["label"] = args.label
         result["project_config"] = config  # settings the project side changed from the preset (None: none)
         result["load"] = (load_before, os.getloadavg()[0])
+        result["torch_threads"] = torch.get_num_threads()  # a run's numbers depend on it (the order of sums)
         _write_atomic(cell, json.dumps(result, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else o))
         print(f"[check] {cell.name}: {time.time() - t0:.0f}s", flush=True)
     _write_atomic(out.parent / "reference_check.md", table(out))
@@ -1276,6 +1278,7 @@ def main_methods(args, config: dict | None = None) -> None:
             result["label"] = args.label
             result["project_config"] = config  # settings the project side changed from the preset (None: none)
             result["load"] = (load_before, os.getloadavg()[0])
+            result["torch_threads"] = torch.get_num_threads()  # a run's numbers depend on it (the order of sums)
             _write_atomic(cell, json.dumps(result, indent=1, default=_json_default))
             print(f"[check] {cell.name}: {time.time() - t0:.0f}s", flush=True)
             _write_atomic(out.parent / "reference_check.md", table(out))

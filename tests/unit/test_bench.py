@@ -275,8 +275,9 @@ def test_network_and_image_size_reach_every_row_and_a_misspelt_option_stops_befo
     cells = sorted((run["out"] / "cells").glob("*.json"))
     assert {c.name for c in cells} >= {"fedavg-seed0.json", "local_site-1-seed0.json"}
     for c in cells:
-        config = json.loads(c.read_text())["config"]
-        assert config["network"] == {"widen_factor": 0.25} and config["image_size"] == 32, c.name
+        cell = json.loads(c.read_text())
+        assert cell["config"]["network"] == {"widen_factor": 0.25} and cell["config"]["image_size"] == 32, c.name
+        assert cell["torch_threads"] >= 1, c.name  # recorded: a run's numbers depend on it
     argv = [a if a != "fedavg,surgical" else "fedavg" for a in BENCH]
     bad = tmp_path / "bad"
     code, _, stderr = _main(argv + ["--network", "widen=0.25", "--out", bad])

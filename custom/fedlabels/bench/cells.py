@@ -289,7 +289,10 @@ def run(plan: Plan) -> dict:
             out = run_federated_flare(plan, cell, scorers[data], log)
         else:
             out = run_federated_inprocess(plan, cell, scorers[data], log)
-        out.update(config=cell_config(plan, cell), seconds=time.time() - t0)
+        # torch's thread count changes the order of float sums, and over many rounds a run's numbers with it
+        import torch
+
+        out.update(config=cell_config(plan, cell), seconds=time.time() - t0, torch_threads=torch.get_num_threads())
         out = _jsonable(out)
         write_json_atomic(_cell_path(plan, cell), out)
         results[(cell.method, cell.seed)] = out
