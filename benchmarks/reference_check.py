@@ -741,11 +741,11 @@ COVERAGE = [
      "the reference's settings (RSCFed's released values where the project can express them), not with the "
      "preset's Adam 1e-3; the other L:U, and every row with the preset's settings unchecked"),
     ("`isofed-rscfed` (the `isofed_rscfed` preset on RSCFed's split, 1 labeled : 3 unlabeled, 60 rounds)",
-     "on PneumoniaMNIST, both gamma, the plan's splits 0-2: `oracle:wfedavg` and `isofed` against the method "
-     "reference with the published rows' settings (the preset's resize-crop-flip and strong view, 7 labeled-only "
-     "warm-up rounds, lambda_c 100; `pneumoniamnist-rscfed-*`); `mt_wfedavg` and `rscfed` unchecked (the preset's "
-     "labeled multiplier 6 also weighs the average its distances are taken from, which RSCFed's code does not, "
-     "docs/methods/isofed.md; the reference has no multiplier); the floor rows and BloodMNIST unchecked"),
+     "on PneumoniaMNIST, both gamma, the plan's splits 0-2: `oracle:wfedavg`, `isofed` and `mt_wfedavg` (labeled "
+     "multiplier 6 on both sides) against the method reference with the published rows' settings (the preset's "
+     "resize-crop-flip and strong view, 7 labeled-only warm-up rounds, lambda_c 100; `pneumoniamnist-rscfed-*`); "
+     "the floor row against wFedAvg's reference on the labeled site alone (`pneumoniamnist-rscfed-*-floor`); "
+     "`rscfed` and BloodMNIST unchecked"),
     ("`mixed` (BloodMNIST: every class / a half / the other half / none)",
      "the upper bound (`oracle:fedavg_pl`), `fedavg`, `fedavg_pl`, `fedprox`, `surgical`, `fedmlp`, `fedpsl`, "
      "`fedfixmatch`, `fednoro` and the three floor rows against their references with the published rows' "
