@@ -739,13 +739,15 @@ COVERAGE = [
      "split). The `oracle:wfedavg`, `isofed`, `isofed_nopt`, `mt_wfedavg` and `rscfed` rows against the method "
      "references on PneumoniaMNIST and BloodMNIST, gamma 0.8 and 0.5, 1 labeled : 3 unlabeled, each with "
      "the reference's settings (RSCFed's released values where the project can express them), not with the "
-     "preset's Adam 1e-3; the other L:U, and every row with the preset's settings unchecked"),
+     "preset's Adam 1e-3, and the floor row (`local:site-1`) likewise on the same four splits (`*-floor`); the other "
+     "L:U, and every row with the preset's settings unchecked"),
     ("`isofed-rscfed` (the `isofed_rscfed` preset on RSCFed's split, 1 labeled : 3 unlabeled, 60 rounds)",
-     "on PneumoniaMNIST, both gamma, the plan's splits 0-2: `oracle:wfedavg`, `isofed` and `mt_wfedavg` (labeled "
-     "multiplier 6 on both sides) against the method reference with the published rows' settings (the preset's "
-     "resize-crop-flip and strong view, 7 labeled-only warm-up rounds, lambda_c 100; `pneumoniamnist-rscfed-*`); "
-     "the floor row against wFedAvg's reference on the labeled site alone (`pneumoniamnist-rscfed-*-floor`); "
-     "`rscfed` and BloodMNIST unchecked"),
+     "on PneumoniaMNIST, both gamma, the plan's splits 0-2: every row, `oracle:wfedavg`, `isofed`, `mt_wfedavg` and "
+     "`rscfed` (labeled multiplier 6 on both sides) against the method reference with the published rows' "
+     "settings (the preset's resize-crop-flip and strong view, 7 labeled-only warm-up rounds, lambda_c 100; "
+     "`pneumoniamnist-rscfed-*`), and the floor row against wFedAvg's reference on the labeled site alone "
+     "(`pneumoniamnist-rscfed-*-floor`); the check's first-seed project runs are the published cells to every "
+     "digit; BloodMNIST unchecked"),
     ("`mixed` (BloodMNIST: every class / a half / the other half / none)",
      "the upper bound (`oracle:fedavg_pl`), `fedavg`, `fedavg_pl`, `fedprox`, `surgical`, `fedmlp`, `fedpsl`, "
      "`fedfixmatch`, `fednoro` and the three floor rows against their references with the published rows' "
