@@ -364,7 +364,7 @@ def verdict(a: dict, b: dict) -> str:
 # ---------------------------------------------------------------- the methods
 
 # a table's floor rows, a site trained alone (fedlabels.bench.run_floor): the reference is FedAvg-PL's on that site
-# alone (floor_reference)
+# alone on a multi-label preset, wFedAvg's on a classification one (row_kind, floor_reference)
 FLOOR_ROWS = tuple(f"local:site-{k}" for k in range(1, 9))
 # a project row -> (the reference's method, every site from its full labels); the module of benchmarks/reference/
 # that implements each is method_reference's

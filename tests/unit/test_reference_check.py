@@ -440,6 +440,10 @@ def test_the_floor_row_is_site_1_alone_on_both_sides(tmp_path):
     assert all(0 <= run["metrics"]["2"]["auroc"] <= 1 for run in (*cell["projects"], cell["reference_run"]))
     # the project's seconds per round are its measured training per stretch (one round each here), not its whole run
     assert all(len(p["train_seconds"]) == 2 and p["seconds"] == p["train_seconds"] for p in cell["projects"])
+    # one stretch of two rounds: its measured seconds spread over both
+    two = rc.compare_methods("fedmlp_blood", rc.FLOOR_ROWS[0], data, 0, 2, [2], tmp_path / "work2", log=lambda m: None,
+                             settings={"batch_size": 8, "lr": 1e-3})
+    assert all(len(p["train_seconds"]) == 1 and p["seconds"] == [p["train_seconds"][0] / 2] * 2 for p in two["projects"])
 
 
 def test_a_classification_floor_row_is_the_labeled_site_alone_on_both_sides(tmp_path):

@@ -74,8 +74,6 @@ def test_labeled_multiplier_weighs_the_coefficient_not_the_average():
     # W_avg = [1.5, 2] (by counts), d = 2.5 for both; c = (3 exp(-2.5), exp(-2.5)) -> (0.75, 0.25). Had the
     # multiplier weighed the average too ([0.75, 1]: d = 1.25, 3.75), L would get 3 e^-1.25 / (3 e^-1.25 + e^-3.75)
     np.testing.assert_allclose(server.weights(mixed, {"w": np.zeros(2, np.float32)}), [0.75, 0.25])
-    old = 3 * math.exp(-1.25) / (3 * math.exp(-1.25) + math.exp(-3.75))
-    assert old == pytest.approx(0.9734, abs=1e-4)
 
 
 def test_setup_needs_a_labeled_site_and_says_when_none_is_unlabeled():
