@@ -422,12 +422,19 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         return partial_fedavg_settings(preset, row, s)
     if ROW_KIND.get(row) == "segmentation":
         return fedmix_settings(preset, row, s)
-    if s["distance"] != "paper":
-        raise ValueError(f"distance {s['distance']!r}: the project implements the paper's (the flattened model)")
     bundle = reference_settings(preset, fedavg_loop=False)  # the preset's scaling and weak view, as the reference names them
     for key in ("scaling", "augment"):
         if bundle[key] != s[key]:
             raise ValueError(f"the {preset} preset's {key} is {bundle[key]!r}, the reference's {s[key]!r}")
+    client = {"optimizer": s["optimizer"], "lr": s["lr"], "weight_decay": s["weight_decay"],
+              "reset_optimizer": not s["carry_optimizer"], "clip_grad_norm": s["max_grad_norm"]}
+    if s["optimizer"] == "sgd":
+        client["momentum"] = s["momentum"]
+    if floor:  # the labeled site alone (wFedAvg's reference on it): its client options, no server, no second view
+        return {"opts": [f"local:{k}={json.dumps(v)}" for k, v in client.items()], "batch_size": s["batch_size"],
+                "local_epochs": s["epochs"], "config": {}}
+    if s["distance"] != "paper":
+        raise ValueError(f"distance {s['distance']!r}: the project implements the paper's (the flattened model)")
     if s["strong"] == "photometric":
         if bundle["strong"] != "photometric":
             raise ValueError(f"strong view 'photometric': the {preset} preset's train#strong_random_transforms is "
@@ -435,13 +442,6 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
     elif s["strong"] != "hflip":
         raise ValueError(f"strong view {s['strong']!r}: the check has the project's equivalent of 'hflip' and "
                          "'photometric' only")
-    client = {"optimizer": s["optimizer"], "lr": s["lr"], "weight_decay": s["weight_decay"],
-              "reset_optimizer": not s["carry_optimizer"], "clip_grad_norm": s["max_grad_norm"]}
-    if s["optimizer"] == "sgd":
-        client["momentum"] = s["momentum"]
-    if floor:  # the labeled site alone (wFedAvg's reference on it): its client options, no server
-        return {"opts": [f"local:{k}={json.dumps(v)}" for k, v in client.items()], "batch_size": s["batch_size"],
-                "local_epochs": s["epochs"], "config": {}}
     if row != "oracle:wfedavg":
         client |= {"consistency_weight": s["lambda_u"], "temperature": s["temperature"], "ema_alpha": s["ema_alpha"],
                    "lr_unlabeled": s.get("lr_unlabeled")}
@@ -904,7 +904,7 @@ def _settings_text(s: dict, row: str, preset: str | None = None) -> str:
              "ema_alpha", "sup_scale", "dist_scale", "carry_optimizer", "max_grad_norm", "augment", "strong", "scaling",
              "distance", "pretrain_epochs", "subsets", "subset_size", "warmup_rounds", "w_mul_times"))
     used = ", ".join(f"{k} {s[k]}" for k in keys if k in s)  # older cells lack later settings (w_mul_times, ...)
-    left = "; ".join(f"{k}: {v}" for k, v in semisup.left_out(s).items()
+    left = "; ".join(f"{k}: {v}" for k, v in semisup.left_out(s, student=not floor).items()
                      if not floor or k in ("augment", "rounds", "scaling"))
     floor = (" Each floor row's labeled site trains alone on both sides (the table's floor): the project's floor "
              "trains on to each eval round (`fedlabels.bench.run_floor`, the options as `local:` items); the "
@@ -1185,7 +1185,7 @@ def main(argv=None) -> None:
         tag = args.label + (f"-ref{args.reference_scaling}" if args.reference_scaling else "")
         cell = out / "cells" / f"{tag}-seed{seed}.json"
         if cell.is_file():
-            print(f"[check] {cell.name}: done, skipped", flush=True)
+            _skipped(cell)
             continue
         t0 = time.time()
         data = Path(args.data.replace("{seed}", str(seed)))
@@ -1203,10 +1203,25 @@ def main(argv=None) -> None:
         result["project_config"] = config  # settings the project side changed from the preset (None: none)
         result["load"] = (load_before, os.getloadavg()[0])
         result["torch_threads"] = torch.get_num_threads()  # a run's numbers depend on it (the order of sums)
+        result["code"] = _code()
         _write_atomic(cell, json.dumps(result, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else o))
         print(f"[check] {cell.name}: {time.time() - t0:.0f}s", flush=True)
     _write_atomic(out.parent / "reference_check.md", table(out))
     print(f"[check] wrote {out.parent / 'reference_check.md'}", flush=True)
+
+
+def _code() -> str:
+    """The code running here (``fedlabels.release.code_version``), recorded in each cell."""
+    from fedlabels.release import code_version
+
+    return code_version()
+
+
+def _skipped(cell: Path) -> None:
+    """A finished cell is kept (by its name); one written by other code than this says so."""
+    code, now = json.loads(cell.read_text()).get("code"), _code()
+    other = "" if code == now else f" (written by {code or 'code not recorded'}; the code now: {now})"
+    print(f"[check] {cell.name}: done, skipped{other}", flush=True)
 
 
 def _splits(args) -> tuple:
@@ -1267,7 +1282,7 @@ def main_methods(args, config: dict | None = None) -> None:
         for row in rows:
             cell = out / "cells" / f"{args.label}-{row.replace(':', '_')}-seed{seed}.json"
             if cell.is_file():
-                print(f"[check] {cell.name}: done, skipped", flush=True)
+                _skipped(cell)
                 continue
             t0 = time.time()
             load_before = os.getloadavg()[0]
@@ -1281,6 +1296,7 @@ def main_methods(args, config: dict | None = None) -> None:
             result["project_config"] = config  # settings the project side changed from the preset (None: none)
             result["load"] = (load_before, os.getloadavg()[0])
             result["torch_threads"] = torch.get_num_threads()  # a run's numbers depend on it (the order of sums)
+            result["code"] = _code()
             _write_atomic(cell, json.dumps(result, indent=1, default=_json_default))
             print(f"[check] {cell.name}: {time.time() - t0:.0f}s", flush=True)
             _write_atomic(out.parent / "reference_check.md", table(out))

@@ -534,6 +534,22 @@ def section_table(plan: TablePlan, rows: list, cells: dict, splits: dict, with_c
     return lines
 
 
+def code_note(plan: TablePlan, rows: list, cells: dict) -> list:
+    """Which code wrote which rows' cells, where a section's cells were not all written by one recorded
+    version (``code`` in a cell, since the cells recorded it): rows of two versions are not one measurement."""
+    by_code = {}
+    for row in rows:
+        for c in seed_cells(plan, cells, row):
+            if c is not None:
+                counts = by_code.setdefault(c.get("code") or "code not recorded", {})
+                counts[row["label"]] = counts.get(row["label"], 0) + 1
+    if len(by_code) < 2:
+        return []
+    parts = [f"{code}: " + ", ".join(f"{label} ({n})" for label, n in counts.items())
+             for code, counts in sorted(by_code.items())]
+    return ["Cells written by different code (cells per row in brackets): " + "; ".join(parts) + ".", ""]
+
+
 def glance(plan: TablePlan, expanded: list, cells: dict, splits: dict) -> list:
     """One line per section, one column per row label (the plan's glance.rows, or every non-floor row) and
     the floor: local learning with one model per class where the section has it, else the best site alone."""
@@ -596,7 +612,7 @@ def table(plan: TablePlan) -> str:
         lines += glance(plan, expanded, cells, splits)
     for (heading, note, _, with_class_floor), (_, rows, _) in zip(plan.sections, expanded):
         lines += [f"## {heading}", ""] + ([note.strip(), ""] if note else [])
-        lines += section_table(plan, rows, cells, splits, with_class_floor) + [""]
+        lines += section_table(plan, rows, cells, splits, with_class_floor) + [""] + code_note(plan, rows, cells)
     return "\n".join(lines)
 
 

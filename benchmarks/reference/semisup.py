@@ -119,10 +119,10 @@ CHECK = {"optimizer": "sgd", "lr": RSCFED["lr_labeled"][0], "lr_unlabeled": RSCF
          "carry_optimizer": RSCFED["carry_optimizer"][0], "max_grad_norm": RSCFED["max_grad_norm"][0],
          "augment": "hflip", "strong": "hflip", "scaling": "fixed", "distance": "paper", "pretrain_epochs": 1,
          "subsets": RSCFED["meta_round"][0], "subset_size": 3, "warmup_rounds": 0}
+_FLIP_ONLY = ("a left-right flip only, no random crop (RSCFed crops 32 px out of 40 px; MedMNIST is 28 px and the "
+              "project's bundle has no crop)")
 LEFT_OUT = {  # each entry stands while its setting keeps CHECK's value (left_out)
-    "augment": "a left-right flip only, no random crop (RSCFed crops 32 px out of 40 px; MedMNIST is 28 px and the "
-               "project's bundle has no crop); the student's view is a second independent flip, as RSCFed's second "
-               "weak view",
+    "augment": f"{_FLIP_ONLY}; the student's view is a second independent flip, as RSCFed's second weak view",
     "warm_start": "none (warmup_rounds 0)",
     "rounds": "the check's budget, not 1000",
     "distance": "the paper's norm of the flattened model (Eq. 3), which the project implements; RSCFed's sum of "
@@ -141,9 +141,10 @@ INSTEAD = {
 }
 
 
-def left_out(s: dict) -> dict:
-    """RSCFed's values not used by settings ``s``, each with what runs instead."""
-    out = dict(LEFT_OUT)
+def left_out(s: dict, student: bool = True) -> dict:
+    """RSCFed's values not used by settings ``s``, each with what runs instead (``student`` False: a row without
+    a student, the labeled site alone, whose text names no student's view)."""
+    out = dict(LEFT_OUT) if student else {**LEFT_OUT, "augment": _FLIP_ONLY}
     if s.get("augment", "hflip") != "hflip":
         out["augment"] = INSTEAD["augment"]
     if s.get("strong", "hflip") != "hflip":

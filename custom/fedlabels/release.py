@@ -5,7 +5,7 @@ A federation runs one release. The machine that provisions it hands the wheel it
 other, without a public index; ``check_wheel`` refuses a wheel that is not the version running
 here. pip records the sha256 of the file it installed from (``direct_url.json``);
 ``installed_sha256`` reads it, so two installs of the same version number from different builds
-can be told apart.
+can be told apart. ``code_version`` names the code a result was computed by (a bench cell records it).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import subprocess
 import zipfile
 from email.parser import HeaderParser
 from importlib.metadata import PackageNotFoundError, distribution
@@ -22,6 +23,8 @@ from . import __version__
 
 NAME = "fedlabels"
 WHEEL = re.compile(r"^fedlabels-(?P<version>[^-]+)-py3-none-any\.whl$")
+# `git archive` writes the archived commit here (.gitattributes: export-subst); a checkout keeps the placeholder.
+ARCHIVED_COMMIT = "$Format:%H$"
 
 
 def wheel_name(version: str = __version__) -> str:
@@ -71,3 +74,32 @@ def installed_sha256() -> str | None:
         return None
     info = json.loads(text).get("archive_info") or {}
     return (info.get("hashes") or {}).get("sha256")
+
+
+def code_version() -> str:
+    """The code running here, for a result to record: the version and the git commit of the checkout the
+    package is imported from ("+modified" when its tracked files differ from that commit), or the commit a
+    ``git archive`` of it was made from; the version alone from an installed wheel.
+
+    Two results of the same settings from different code are different measurements: a finished bench cell
+    reused by a later run says which code wrote it (``fedlabels.bench.cells``)."""
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    # only a checkout whose top is this package's root: an install inside another repository's folder
+    # (a .venv in a checkout) must not take that repository's commit
+    top = git("rev-parse", "--show-toplevel")
+    if top and Path(top).resolve() == root:
+        commit = git("rev-parse", "HEAD")
+        if commit:
+            modified = git("status", "--porcelain", "--untracked-files=no")
+            return f"{__version__} {commit}{'+modified' if modified else ''}"
+    if not ARCHIVED_COMMIT.startswith("$"):
+        return f"{__version__} {ARCHIVED_COMMIT}"
+    return __version__

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 from fedlabels import bench, cli, references
 from fedlabels.bundle import bundle_path
+from fedlabels.release import code_version
 from helpers import fedlabels_env, read_csv as _read_csv, run_cli as _main, score_directly
 
 BENCH = ["bench", "--data", "embedded:cxr", "--synth", "cases=12", "--synth", "test_cases=8", "--bundle",
@@ -77,6 +78,8 @@ def test_writes_table_floors_and_plots(run):
     assert list((out / "plots").glob("*.png"))
     assert sorted(p.name for p in (out / "cells").glob("*.json")) == sorted(
         ["fedavg-seed0.json", "surgical-seed0.json"] + [f"local_{s}-seed0.json" for s in SITES])
+    # each cell names the code that wrote it (a checkout's commit here)
+    assert {json.loads(p.read_text())["code"] for p in (out / "cells").glob("*.json")} == {code_version()}
     # progress: one start and one finish line per cell, with the elapsed time
     for label in ["fedavg seed 0", "surgical seed 0"] + [f"local:{s} seed 0" for s in SITES]:
         assert f"{label}: start" in run["stdout"]
@@ -110,7 +113,15 @@ def test_rerun_reuses_cells_computed_at_another_path_of_the_same_split(run, tmp_
     code, stdout, stderr = _main(BENCH + ["--out", out])
     assert code == 0, stderr
     assert stdout.count("skipped (done)") == len(cells) and ": start" not in stdout
+    assert "kept, written by" not in stdout  # the same code wrote them
+    # a cell written by other code stands (its settings match) but is named, with the code now
     cell = json.loads(cells[0].read_text())
+    cell["code"] = "0.0.9 0123abc"
+    cells[0].write_text(json.dumps(cell))
+    code, stdout, stderr = _main(BENCH + ["--out", out])
+    assert code == 0, stderr
+    assert stdout.count("kept, written by") == 1
+    assert f"seed 0: kept, written by 0.0.9 0123abc (the code now: {code_version()})" in stdout
     cell["config"]["data"] = "/elsewhere/data/another-split"
     cells[0].write_text(json.dumps(cell))
     code, _, stderr = _main(BENCH + ["--out", out])

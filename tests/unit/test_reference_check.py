@@ -227,6 +227,25 @@ def test_the_released_code_preset_rows_get_its_views_and_warm_start(tmp_path):
     assert "no random crop" not in text and "no random crop" in rc._settings_text(dict(semisup.CHECK), "isofed")
 
 
+def test_the_floor_row_takes_only_the_settings_of_a_site_alone():
+    """The labeled site alone has no student and no aggregation: a strong view or a distance the project
+    cannot express refuses the methods, not the floor, and the floor's section text names no student's view."""
+    import reference_check as rc
+    from reference import semisup
+
+    s = {**semisup.CHECK, "distance": "rscfed", "strong": "cutout"}
+    floor = rc.project_settings("isofed", "local:site-1", s)
+    assert floor["config"] == {} and all(o.startswith("local:") for o in floor["opts"])
+    for row, match in (("isofed", "distance 'rscfed'"), ("mt_wfedavg", "distance 'rscfed'")):
+        with pytest.raises(ValueError, match=match):
+            rc.project_settings("isofed", row, s)
+    with pytest.raises(ValueError, match="strong view 'cutout'"):
+        rc.project_settings("isofed", "isofed", {**s, "distance": "paper"})
+    assert "student" not in rc._settings_text(dict(semisup.CHECK), "local:site-1", "isofed")
+    assert "the student's view is a second independent flip" in rc._settings_text(dict(semisup.CHECK), "isofed",
+                                                                                  "isofed")
+
+
 def test_a_section_names_a_rows_settings_where_they_differ_from_its_first_cell():
     """An older cell records no ``w_mul_times`` (the reference's 1 then); a row run with 6 is named with it."""
     import reference_check as rc
@@ -668,3 +687,20 @@ def test_sections_list_dropped_sites_by_site_and_rounds():
     assert "`fedavg` split 0 seed 0: site-2 in 1 round(s), 3-3, site-4 in 3 round(s), 1-3;" in text
     assert "seed 1000" not in text.split("Project sites")[1].split("\n")[0]  # a run that dropped none is not listed
     assert "`fedavg` split 1: site-3 in 1 round(s), 2-2." in text
+
+
+def test_a_kept_cell_written_by_other_code_says_so(tmp_path, capsys):
+    import reference_check as rc
+    from fedlabels.release import code_version
+
+    cell = tmp_path / "x-seed0.json"
+    cell.write_text(json.dumps({"code": code_version()}))
+    rc._skipped(cell)
+    assert capsys.readouterr().out == "[check] x-seed0.json: done, skipped\n"
+    cell.write_text(json.dumps({"code": "0.0.9 0123abc"}))
+    rc._skipped(cell)
+    assert capsys.readouterr().out == (f"[check] x-seed0.json: done, skipped (written by 0.0.9 0123abc; the code "
+                                       f"now: {code_version()})\n")
+    cell.write_text(json.dumps({}))
+    rc._skipped(cell)
+    assert "(written by code not recorded;" in capsys.readouterr().out

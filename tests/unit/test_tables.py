@@ -105,6 +105,25 @@ def test_the_table_is_the_hand_computed_means_floors_and_paper_values(filled):
     assert "| Level one | 60.0 ± 14.1 (1/2 one class) / 70.0 | 75.0 ± 14.1 (one model per class) |" in glance
 
 
+def test_a_section_whose_cells_came_from_different_code_names_which_rows_each_wrote(filled):
+    assert "written by different code" not in tables.table(tables.load_plan(filled))  # none recorded: one kind
+    cells = filled.parent / "out" / "runs" / "main" / "cells"
+    for path in cells.glob("*.json"):  # every cell by one recorded version: nothing to say
+        path.write_text(json.dumps({**json.loads(path.read_text()), "code": "0.1.0 aaa"}))
+    assert "written by different code" not in tables.table(tables.load_plan(filled))
+    # FedAvg rerun by later code on one split, site-2's floor cells from before cells recorded it
+    path = cells / "fedavg-seed1.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "code": "0.1.0 bbb"}))
+    for path in cells.glob("local_site-2-*.json"):
+        cell = json.loads(path.read_text())
+        del cell["code"]
+        path.write_text(json.dumps(cell))
+    text = tables.table(tables.load_plan(filled))
+    assert ("Cells written by different code (cells per row in brackets): 0.1.0 aaa: FedAvg (1), local:site-1 "
+            "alone (75 % of the training cases) (2); 0.1.0 bbb: FedAvg (1); code not recorded: local:site-2 alone "
+            "(25 % of the training cases) (2).") in text, text
+
+
 def test_a_minus_column_is_the_paired_difference_from_the_floor_split_by_split(filled):
     plan = yaml.safe_load(filled.read_text())
     plan["columns"].append({"label": "less site-1", "metric": "auroc", "minus": "local:site-1"})

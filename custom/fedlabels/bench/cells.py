@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import progress
+from ..release import code_version
 from ..scoring import Scorer
 from .plan import CSV_COLUMNS, FLOOR, MEAN, ORACLE, POOLED, PRIMARY, Plan, _say, base_method, floor_method
 from .report import markdown, plot
@@ -229,9 +230,10 @@ def _reused(plan: Plan, cell: Cell, path: Path) -> dict | None:
     return None
 
 
-def _check_finished(plan: Plan, todo: list) -> dict:
+def _check_finished(plan: Plan, todo: list, code: str) -> dict:
     """Finished cells whose settings match (here, or copied from a ``--reuse`` folder); refuse (before
-    training) one here computed with other settings."""
+    training) one here computed with other settings. One written by other code than ``code`` stands (its
+    settings match) but is named: a table mixing it with new cells mixes two versions of the code."""
     done = {}
     for cell in todo:
         path = _cell_path(plan, cell)
@@ -249,6 +251,10 @@ def _check_finished(plan: Plan, todo: list) -> dict:
             shown = ", ".join(f"{k}: {have!r} there, {want!r} now" for k, have, want in diff[:3])
             raise ValueError(f"{path}: computed with other settings ({shown}); use another --out or remove the file")
         done[(cell.method, cell.seed)] = saved
+    for (method, seed), saved in done.items():
+        if saved.get("code") != code:
+            _say(f"[bench] {method} seed {seed}: kept, written by {saved.get('code') or 'code not recorded'} "
+                 f"(the code now: {code}); remove the cell to recompute it")
     return done
 
 
@@ -258,7 +264,8 @@ def run(plan: Plan) -> dict:
 
     t_start = time.time()
     todo = cells(plan)
-    results = _check_finished(plan, todo)
+    code = code_version()
+    results = _check_finished(plan, todo, code)
     scorers = {}
 
     def stamp():
@@ -292,7 +299,8 @@ def run(plan: Plan) -> dict:
         # torch's thread count changes the order of float sums, and over many rounds a run's numbers with it
         import torch
 
-        out.update(config=cell_config(plan, cell), seconds=time.time() - t0, torch_threads=torch.get_num_threads())
+        out.update(config=cell_config(plan, cell), seconds=time.time() - t0, torch_threads=torch.get_num_threads(),
+                   code=code)
         out = _jsonable(out)
         write_json_atomic(_cell_path(plan, cell), out)
         results[(cell.method, cell.seed)] = out
