@@ -78,7 +78,9 @@ def installed_sha256() -> str | None:
 
 def code_version() -> str:
     """The code running here, for a result to record: the version and the git commit of the checkout the
-    package is imported from ("+modified" when its tracked files differ from that commit), or the commit a
+    package is imported from ("+modified" when its tracked files under custom/ or bundles/, the code and the
+    bundles that train, differ from that commit: a benchmark writing its results into the checkout does not
+    count), or the commit a
     ``git archive`` of it was made from; the version alone from an installed wheel.
 
     Two results of the same settings from different code are different measurements: a finished bench cell
@@ -98,7 +100,7 @@ def code_version() -> str:
     if top and Path(top).resolve() == root:
         commit = git("rev-parse", "HEAD")
         if commit:
-            modified = git("status", "--porcelain", "--untracked-files=no")
+            modified = git("status", "--porcelain", "--untracked-files=no", "--", "custom", "bundles")
             return f"{__version__} {commit}{'+modified' if modified else ''}"
     if not ARCHIVED_COMMIT.startswith("$"):
         return f"{__version__} {ARCHIVED_COMMIT}"
