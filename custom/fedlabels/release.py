@@ -10,6 +10,7 @@ can be told apart. ``code_version`` names the code a result was computed by (a b
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -76,6 +77,7 @@ def installed_sha256() -> str | None:
     return (info.get("hashes") or {}).get("sha256")
 
 
+@functools.cache  # the code a process runs is fixed once imported: ask git once per process
 def code_version() -> str:
     """The code running here, for a result to record: the version and the git commit of the checkout the
     package is imported from ("+modified" when its tracked files under custom/ or bundles/, the code and the
