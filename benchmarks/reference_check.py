@@ -39,8 +39,10 @@ loop of the same task with the preset's settings (this checks the training path,
 Both criteria of the check (``criterion_a``, ``criterion_b``, comment above them): (a) the 90 % t interval
 of the mean paired project-minus-reference difference inside ±2 points (two one-sided tests), (b) the widest
 per-split difference no wider than the widest difference between the project's two training seeds. Cells are
-resumable (``OUT/cells/*.json``, written atomically); ``OUT/../reference_check.md`` is rewritten from every
-finished cell (``--table-only``: only that).
+resumable (``OUT/cells/*.json``, written atomically, named by label, row and split): a finished cell is kept
+when the settings it records are the ones asked, and refused, naming the field, when another command wrote it
+under the same label; ``OUT/../reference_check.md`` is rewritten from every finished cell (``--table-only``:
+only that).
 
 ``--reference-scaling minmax`` runs the FedAvg reference with each image scaled to [0, 1] by its own min and
 max instead of the preset's scaling, which shows what that scaling alone does to the same loop.
@@ -1187,7 +1189,8 @@ def main(argv=None) -> None:
         tag = args.label + (f"-ref{args.reference_scaling}" if args.reference_scaling else "")
         cell = out / "cells" / f"{tag}-seed{seed}.json"
         if cell.is_file():
-            _skipped(cell)
+            _skipped(cell, {"preset": args.preset, "rounds": args.rounds, "image_size": args.image_size,
+                            "widen": args.widen, "project_config": config}, eval_rounds)
             continue
         t0 = time.time()
         data = Path(args.data.replace("{seed}", str(seed)))
@@ -1219,9 +1222,23 @@ def _code() -> str:
     return code_version()
 
 
-def _skipped(cell: Path) -> None:
-    """A finished cell is kept (by its name); one written by other code than this says so."""
-    code, now = json.loads(cell.read_text()).get("code"), _code()
+def _skipped(cell: Path, asked: dict, eval_rounds: list) -> None:
+    """A finished cell is kept when it ran what this command asks: each field of ``asked`` it records
+    (``reference.KEY``: a reference setting) equal, and every round of ``eval_rounds`` scored; else one error
+    naming the cell and the field, before anything trains (a cell is found by its label, which another
+    command can reuse). A kept cell written by other code than this says so."""
+    done = json.loads(cell.read_text())
+    for field, want in asked.items():
+        group, _, key = field.rpartition(".")
+        record = done.get(group, {}) if group else done
+        if key in record and record[key] != want:
+            raise SystemExit(f"reference_check: {cell}: field {field!r} is {record[key]!r} in the finished cell, this "
+                             f"command asks {want!r}; give another --label, or remove the cell to recompute it")
+    scored = {int(r) for r in (done.get("reference_run") or {}).get("metrics", {})}
+    if scored and not set(eval_rounds) <= scored:
+        raise SystemExit(f"reference_check: {cell}: field 'eval rounds' is {sorted(scored)} in the finished cell, this "
+                         f"command asks {eval_rounds}; give another --label, or remove the cell to recompute it")
+    code, now = done.get("code"), _code()
     other = "" if code == now else f" (written by {code or 'code not recorded'}; the code now: {now})"
     print(f"[check] {cell.name}: done, skipped{other}", flush=True)
 
@@ -1284,7 +1301,9 @@ def main_methods(args, config: dict | None = None) -> None:
         for row in rows:
             cell = out / "cells" / f"{args.label}-{row.replace(':', '_')}-seed{seed}.json"
             if cell.is_file():
-                _skipped(cell)
+                _skipped(cell, {"preset": args.preset, "row": row, "rounds": args.rounds, "image_size": args.image_size,
+                                "widen": args.widen, "project_config": config, "reference_grey": args.reference_grey,
+                                **{f"reference.{k}": v for k, v in settings.items()}}, eval_rounds)
                 continue
             t0 = time.time()
             load_before = os.getloadavg()[0]

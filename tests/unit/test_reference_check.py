@@ -695,12 +695,37 @@ def test_a_kept_cell_written_by_other_code_says_so(tmp_path, capsys):
 
     cell = tmp_path / "x-seed0.json"
     cell.write_text(json.dumps({"code": code_version()}))
-    rc._skipped(cell)
+    rc._skipped(cell, {}, [])
     assert capsys.readouterr().out == "[check] x-seed0.json: done, skipped\n"
     cell.write_text(json.dumps({"code": "0.0.9 0123abc"}))
-    rc._skipped(cell)
+    rc._skipped(cell, {}, [])
     assert capsys.readouterr().out == (f"[check] x-seed0.json: done, skipped (written by 0.0.9 0123abc; the code "
                                        f"now: {code_version()})\n")
     cell.write_text(json.dumps({}))
-    rc._skipped(cell)
+    rc._skipped(cell, {}, [])
     assert "(written by code not recorded;" in capsys.readouterr().out
+
+
+def test_a_cell_of_the_same_label_but_other_settings_is_refused_naming_the_field(tmp_path, capsys):
+    """A cell is found by its label: one another command wrote with other rounds, a reference setting or too few
+    scored rounds stops the check with the cell and the field; a field the cell does not record is not compared."""
+    import reference_check as rc
+
+    cell = tmp_path / "x-isofed-seed0.json"
+    cell.write_text(json.dumps({"preset": "isofed_rscfed", "row": "isofed", "rounds": 60, "image_size": None,
+                                "reference": {"lr": 0.03, "warmup_rounds": 7},
+                                "reference_run": {"metrics": {"20": {}, "40": {}, "60": {}}}}))
+    asked = {"preset": "isofed_rscfed", "row": "isofed", "rounds": 60, "image_size": None, "widen": 2.0,
+             "reference.warmup_rounds": 7}
+    rc._skipped(cell, asked, [20, 60])  # widen: not recorded by this cell
+    assert "done, skipped" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"x-isofed-seed0.json: field 'rounds' is 60 in the finished cell, this "
+                                         r"command asks 30"):
+        rc._skipped(cell, {**asked, "rounds": 30}, [30])
+    with pytest.raises(SystemExit, match=r"field 'reference.warmup_rounds' is 7 in the finished cell, this command "
+                                         r"asks 0"):
+        rc._skipped(cell, {**asked, "reference.warmup_rounds": 0}, [60])
+    with pytest.raises(SystemExit, match=r"field 'eval rounds' is \[20, 40, 60\] in the finished cell, this command "
+                                         r"asks \[10, 60\]"):
+        rc._skipped(cell, asked, [10, 60])
+    assert capsys.readouterr().out == ""
