@@ -100,7 +100,7 @@ RSCFED = {
                                                           "client's iteration count over all rounds"),
     "meta_round": (3, f"{_README}: --meta_round=3, the number of sub-consensus models a round"),
     "meta_client_num": (5, f"{_README}: --meta_client_num=5 of its 10 clients (train_main.py random.sample)"),
-    "w_mul_times_rule": ("coefficient only", "train_main.py: with the README's --un_dist=avg a chosen labeled "
+    "w_mul_times_rule": ("coefficient only", "train_main.py: with --un_dist=avg (the README at commit 4872944) a chosen labeled "
                                              "client's coefficient is multiplied (m n exp(...)), the average its "
                                              "distance is taken from is by counts; with --un_dist '' (options.py "
                                              "default) its count is multiplied before the average and its "

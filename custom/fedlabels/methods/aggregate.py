@@ -96,8 +96,8 @@ def distance_weights(updates: list, global_weights: dict, scale: float, multipli
     W_avg = sum_k n_k W_k / sum_k n_k; c_k = m_k n_k exp(-scale ||W_k - W_avg||_2 / n_k),
     normalised to sum 1. ``multipliers`` m_k (default 1) amplify some sites'
     coefficients only, not the average their distances are taken from (RSCFed's
-    labeled-site multiplier as its README runs it, ``--w_mul_times=6
-    --un_dist=avg``, train_main.py). An update far from the mean gets an
+    labeled-site multiplier as its README ran it at commit 4872944,
+    ``--w_mul_times=6 --un_dist=avg``, train_main.py). An update far from the mean gets an
     exponentially small weight; scale 0 is FedAvg by m_k n_k.
     """
     n = np.asarray([u.n for u in updates], dtype=np.float64)
