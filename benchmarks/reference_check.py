@@ -749,9 +749,10 @@ COVERAGE = [
      "settings (the preset's resize-crop-flip and strong view, 7 labeled-only warm-up rounds, lambda_c 100; "
      "`pneumoniamnist-rscfed-*`), and the floor row against wFedAvg's reference on the labeled site alone "
      "(`pneumoniamnist-rscfed-*-floor`); the check's first-seed project runs are the published cells to every "
-     "digit. On BloodMNIST gamma 0.5: `isofed` on splits 0-2 and `oracle:wfedavg` on splits 0-1 the same way "
-     "(`bloodmnist-rscfed-g0.5-1L3U`; the table's IsoFed and upper-bound cells are older than the current code's "
-     "runs and not equal to them); BloodMNIST's `mt_wfedavg`, `rscfed` and floor rows, and gamma 0.8, unchecked"),
+     "digit. On BloodMNIST, the plan's splits 0-2, the same way: `oracle:wfedavg` and `isofed` at both gamma, "
+     "`mt_wfedavg` (multiplier 6 on both sides) at gamma 0.5 (`bloodmnist-rscfed-g*-1L3U`), the floor row at both "
+     "gamma (`bloodmnist-rscfed-g*-floor`); the first-seed project runs equal the table's cells to every digit. "
+     "BloodMNIST's `rscfed` row, and `mt_wfedavg` at gamma 0.8, unchecked"),
     ("`mixed` (BloodMNIST: every class / a half / the other half / none)",
      "the upper bound (`oracle:fedavg_pl`), `fedavg`, `fedavg_pl`, `fedprox`, `surgical`, `fedmlp`, `fedpsl`, "
      "`fedfixmatch`, `fednoro` and the three floor rows against their references with the published rows' "
