@@ -59,7 +59,7 @@ for it (``pos_weighted``, the shared default of every multi-label method,
 Registered: "fedpsl" (TDMA + TADL), "fedpsl_tdma" (TDMA + the plain
 pos-weighted partial BCE client), "fedpsl_tadl" (n_k-weighted FedAvg of every
 key + TADL): the paper's ablation rows. Paper setup (job configuration):
-DenseNet121 from scratch, instance normalisation per image, Adam
+DenseNet121, randomly initialised, instance normalisation per image, Adam
 alpha = beta = 1e-3, aggregation every E = 10 local epochs.
 """
 
