@@ -1209,6 +1209,7 @@ def main(argv=None) -> None:
         result["project_config"] = config  # settings the project side changed from the preset (None: none)
         result["load"] = (load_before, os.getloadavg()[0])
         result["torch_threads"] = torch.get_num_threads()  # a run's numbers depend on it (the order of sums)
+        result["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # and on the CPU's vector kernels
         result["code"] = _code()
         _write_atomic(cell, json.dumps(result, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else o))
         print(f"[check] {cell.name}: {time.time() - t0:.0f}s", flush=True)
@@ -1318,6 +1319,7 @@ def main_methods(args, config: dict | None = None) -> None:
             result["project_config"] = config  # settings the project side changed from the preset (None: none)
             result["load"] = (load_before, os.getloadavg()[0])
             result["torch_threads"] = torch.get_num_threads()  # a run's numbers depend on it (the order of sums)
+            result["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # and on the CPU's vector kernels
             result["code"] = _code()
             _write_atomic(cell, json.dumps(result, indent=1, default=_json_default))
             print(f"[check] {cell.name}: {time.time() - t0:.0f}s", flush=True)

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from fedlabels import bench, cli, references
 from fedlabels.bundle import bundle_path
 from fedlabels.release import code_version
@@ -289,6 +290,7 @@ def test_network_and_image_size_reach_every_row_and_a_misspelt_option_stops_befo
         cell = json.loads(c.read_text())
         assert cell["config"]["network"] == {"widen_factor": 0.25} and cell["config"]["image_size"] == 32, c.name
         assert cell["torch_threads"] >= 1, c.name  # recorded: a run's numbers depend on it
+        assert cell["cpu_capability"] == torch.backends.cpu.get_cpu_capability(), c.name  # and on this
     argv = [a if a != "fedavg,surgical" else "fedavg" for a in BENCH]
     bad = tmp_path / "bad"
     code, _, stderr = _main(argv + ["--network", "widen=0.25", "--out", bad])

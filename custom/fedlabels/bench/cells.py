@@ -296,11 +296,12 @@ def run(plan: Plan) -> dict:
             out = run_federated_flare(plan, cell, scorers[data], log)
         else:
             out = run_federated_inprocess(plan, cell, scorers[data], log)
-        # torch's thread count changes the order of float sums, and over many rounds a run's numbers with it
+        # torch's thread count and the CPU's vector kernels (AVX2, AVX512, ...) change float sums in the last
+        # digits, and over many rounds a run's numbers with them
         import torch
 
         out.update(config=cell_config(plan, cell), seconds=time.time() - t0, torch_threads=torch.get_num_threads(),
-                   code=code)
+                   cpu_capability=torch.backends.cpu.get_cpu_capability(), code=code)
         out = _jsonable(out)
         write_json_atomic(_cell_path(plan, cell), out)
         results[(cell.method, cell.seed)] = out
