@@ -741,8 +741,10 @@ COVERAGE = [
      "split). The `oracle:wfedavg`, `isofed`, `isofed_nopt`, `mt_wfedavg` and `rscfed` rows against the method "
      "references on PneumoniaMNIST and BloodMNIST, gamma 0.8 and 0.5, 1 labeled : 3 unlabeled, each with "
      "the reference's settings (RSCFed's released values where the project can express them), not with the "
-     "preset's Adam 1e-3, and the floor row (`local:site-1`) likewise on the same four splits (`*-floor`); the other "
-     "L:U, and every row with the preset's settings unchecked"),
+     "preset's Adam 1e-3, and the floor row (`local:site-1`) likewise on the same four splits (`*-floor`); on "
+     "PneumoniaMNIST at both gamma also 2 labeled : 2 unlabeled and 3 : 1 (`pneumoniamnist-g*-2L2U`, `-3L1U`: "
+     "`isofed`, `mt_wfedavg`, `rscfed`, the same way, on the plan's splits 0-2); BloodMNIST's other L:U, their "
+     "floor rows, and every row with the preset's settings unchecked"),
     ("`isofed-rscfed` (the `isofed_rscfed` preset on RSCFed's split, 1 labeled : 3 unlabeled, 60 rounds)",
      "on PneumoniaMNIST, both gamma, the plan's splits 0-2: every row, `oracle:wfedavg`, `isofed`, `mt_wfedavg` and "
      "`rscfed` (labeled multiplier 6 on both sides) against the method reference with the published rows' "
