@@ -1123,6 +1123,13 @@ def table(out: Path, tolerance: dict = TOLERANCE) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _provenance(load_before: float) -> dict:
+    """What a cell records of how it ran: the load around it, torch's threads and the CPU's vector kernels (both
+    change float sums, and over many rounds a run's numbers), and the code."""
+    return {"load": (load_before, os.getloadavg()[0]), "torch_threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "code": _code()}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", required=True, choices=sorted(REFERENCES))
@@ -1211,10 +1218,7 @@ def main(argv=None) -> None:
                                    "train_seed": s} for run, s in ((result["project"], seed), (again, seed + SEED_OFFSET))]
         result["label"] = args.label
         result["project_config"] = config  # settings the project side changed from the preset (None: none)
-        result["load"] = (load_before, os.getloadavg()[0])
-        result["torch_threads"] = torch.get_num_threads()  # a run's numbers depend on it (the order of sums)
-        result["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # and on the CPU's vector kernels
-        result["code"] = _code()
+        result.update(_provenance(load_before))
         _write_atomic(cell, json.dumps(result, indent=1, default=lambda o: None if isinstance(o, float) and not math.isfinite(o) else o))
         print(f"[check] {cell.name}: {time.time() - t0:.0f}s", flush=True)
     _write_atomic(out.parent / "reference_check.md", table(out))
@@ -1321,10 +1325,7 @@ def main_methods(args, config: dict | None = None) -> None:
                                      reference_runs=args.reference_runs)
             result["label"] = args.label
             result["project_config"] = config  # settings the project side changed from the preset (None: none)
-            result["load"] = (load_before, os.getloadavg()[0])
-            result["torch_threads"] = torch.get_num_threads()  # a run's numbers depend on it (the order of sums)
-            result["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # and on the CPU's vector kernels
-            result["code"] = _code()
+            result.update(_provenance(load_before))
             _write_atomic(cell, json.dumps(result, indent=1, default=_json_default))
             print(f"[check] {cell.name}: {time.time() - t0:.0f}s", flush=True)
             _write_atomic(out.parent / "reference_check.md", table(out))
