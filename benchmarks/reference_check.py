@@ -912,16 +912,19 @@ def _settings_text(s: dict, row: str, preset: str | None = None) -> str:
             ("optimizer", "lr", "momentum", "weight_decay", "batch_size", "epochs", "lambda_u", "temperature",
              "ema_alpha", "sup_scale", "dist_scale", "carry_optimizer", "max_grad_norm", "augment", "strong", "scaling",
              "distance", "pretrain_epochs", "subsets", "subset_size", "warmup_rounds", "w_mul_times"))
-    used = ", ".join(f"{k} {s[k]}" for k in keys if k in s)  # older cells lack later settings (w_mul_times, ...)
+    used = ", ".join(f"{k} {s[k]}" for k in keys  # older cells lack later settings (w_mul_times, ...)
+                     if k in s and (k != "momentum" or s.get("optimizer", "sgd") == "sgd"))
     left = "; ".join(f"{k}: {v}" for k, v in semisup.left_out(s, student=not floor).items()
-                     if not floor or k in ("augment", "rounds", "scaling"))
+                     if not floor or k in ("augment", "rounds", "scaling", *semisup.TRAINING))
     floor = (" Each floor row's labeled site trains alone on both sides (the table's floor): the project's floor "
              "trains on to each eval round (`fedlabels.bench.run_floor`, the options as `local:` items); the "
              "reference is wFedAvg's on that site alone (`semisup.run(only=...)`), in rounds of as many epochs as the "
              "stretch between eval rounds, or, with the optimizer carried, as their greatest common divisor "
              "(`floor_reference`)." if floor else "")
+    changed = [k for k in semisup.TRAINING if k in s and s[k] != semisup.CHECK[k]]
+    changed = f", with {', '.join(changed)} changed by `--set`" if changed else ""
     return (f"Both sides train with the reference's settings (`benchmarks/reference/semisup.py` `CHECK`, taken from "
-            f"RSCFed's released code, whose values and sources are its `RSCFED`): {used}. The project's row is given "
+            f"RSCFed's released code, whose values and sources are its `RSCFED`){changed}: {used}. The project's row is given "
             f"them as options (`project_options` in each cell).{floor} RSCFed's values not used here, and what runs "
             f"instead: {left}.")
 

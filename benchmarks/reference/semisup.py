@@ -141,6 +141,12 @@ INSTEAD = {
 }
 
 
+# CHECK's training settings that are RSCFed's values as released (left_out names them when --set changes them)
+TRAINING = {"optimizer": "optimizer", "lr": "lr_labeled", "lr_unlabeled": "lr_unlabeled", "momentum": "momentum",
+             "weight_decay": "weight_decay", "max_grad_norm": "max_grad_norm", "lambda_u": "lambda_u",
+             "carry_optimizer": "carry_optimizer"}
+
+
 def left_out(s: dict, student: bool = True) -> dict:
     """RSCFed's values not used by settings ``s``, each with what runs instead (``student`` False: a row without
     a student, the labeled site alone, whose text names no student's view)."""
@@ -151,6 +157,9 @@ def left_out(s: dict, student: bool = True) -> dict:
         out["strong"] = INSTEAD["strong"]
     if s.get("warmup_rounds", 0):
         out["warm_start"] = INSTEAD["warm_start"]
+    for key, name in TRAINING.items():  # a training setting --set away from RSCFed's (e.g. a preset's own)
+        if key in s and s[key] != CHECK[key] and (key != "momentum" or s.get("optimizer") == "sgd"):
+            out[key] = f"{s[key]} (RSCFed's: {RSCFED[name][0]})"
     return out
 
 

@@ -246,6 +246,28 @@ def test_the_floor_row_takes_only_the_settings_of_a_site_alone():
                                                                                   "isofed")
 
 
+def test_the_isofed_presets_own_settings_reach_the_project_as_its_defaults_and_the_page_names_them():
+    """The published isofed-preset rows train with the preset's Adam 1e-3, a fresh optimizer each round, no clip,
+    consistency weight 1: set on the reference, the project's options are exactly those defaults, and the section
+    names each training setting that left RSCFed's value, with RSCFed's beside it (momentum only with SGD)."""
+    import reference_check as rc
+    from reference import semisup
+
+    preset = {"optimizer": "adam", "lr": 0.001, "lr_unlabeled": None, "weight_decay": 0.0, "carry_optimizer": False,
+              "max_grad_norm": None, "lambda_u": 1.0, "strong": "photometric"}
+    s = {**semisup.CHECK, **preset}
+    opts = dict(o.split(":", 1)[1].split("=", 1) for o in rc.project_settings("isofed", "isofed", s)["opts"])
+    assert (opts["optimizer"], opts["lr"], opts["reset_optimizer"], opts["clip_grad_norm"]) == \
+        ('"adam"', "0.001", "true", "null")
+    assert opts["consistency_weight"] == "1.0" and "momentum" not in opts
+    text = rc._settings_text(s, "isofed", "isofed")
+    assert "with optimizer, lr, lr_unlabeled, weight_decay, max_grad_norm, lambda_u, carry_optimizer changed" in text
+    assert "optimizer: adam (RSCFed's: sgd)" in text and "lambda_u: 1.0 (RSCFed's: 0.02)" in text
+    assert "momentum" not in text  # Adam has none
+    assert "changed by `--set`" not in rc._settings_text(dict(semisup.CHECK), "isofed", "isofed")
+    assert "momentum: 0.5 (RSCFed's: 0.9)" in rc._settings_text({**semisup.CHECK, "momentum": 0.5}, "isofed")
+
+
 def test_a_section_names_a_rows_settings_where_they_differ_from_its_first_cell():
     """An older cell records no ``w_mul_times`` (the reference's 1 then); a row run with 6 is named with it."""
     import reference_check as rc
