@@ -115,19 +115,20 @@ def augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 
 def load_scenario(data: Path, scaling: str, labels: str = "datalist.json", grey_rule: str = "luma",
-                  only: str | None = None) -> tuple:
+                  only: str | None = None, keep_unannotated: bool = False) -> tuple:
     """A prepared scenario: (classes, [(x, y) per site] from each site's ``labels`` file, (x, y) of the test split);
     colour images made grey by ``grey_rule`` (``grey``). A site annotating no class (every label -1) is left out:
     FedMLP's and FedPSL's clients each annotate some class, so the papers say nothing of a site annotating none;
     the multi-label references let it sit out every round (the shared rounds average the others), a stated choice
-    (``UNANNOTATED``). ``only``: that site alone (a table's floor), refused if unknown or annotating nothing."""
+    (``UNANNOTATED``; ``keep_unannotated``: kept, for a reference that draws sites). ``only``: that site alone (a
+    table's floor), refused if unknown or annotating nothing."""
     scenario = yaml.safe_load((data / "scenario.yaml").read_text())
     classes, names = scenario["classes"], scenario["sites"]
     if only is not None and only not in names:
         raise ValueError(f"only={only!r}: the scenario's sites are {names}")
     sites = [load_split(data / s, json.loads((data / s / labels).read_text())["training"], scaling, grey_rule)
              for s in names if only in (None, s)]
-    sites = [(x, y) for x, y in sites if bool((y >= 0).any())]
+    sites = [(x, y) for x, y in sites if keep_unannotated or bool((y >= 0).any())]
     if only is not None and not sites:
         raise ValueError(f"only={only!r}: {data / only / labels} annotates no class, so the site trains nothing")
     test = load_split(data / "test", json.loads((data / "test" / "datalist.json").read_text())["testing"], scaling,

@@ -666,7 +666,7 @@ def test_fednoro_reference_trains_unaugmented_when_told(tmp_path, monkeypatch):
 
 
 MULTILABEL_ROWS = ["fedavg", "fedavg_pl", "oracle:fedavg_pl", *(f"local:site-{k}" for k in range(1, 9)), "fedprox", "surgical", "fedmlp", "fedpsl", "fedpsl_tdma", "fedpsl_tadl",
-                   "fedfixmatch", "fednoro"]
+                   "fedfixmatch", "fednoro", "rscfed_pl"]
 
 
 @pytest.mark.parametrize("row", MULTILABEL_ROWS)
@@ -679,7 +679,7 @@ def test_every_multilabel_reference_reads_colour_as_the_bundles_do_unless_told(t
     assert sorted(r for r, kind in rc.ROW_KIND.items() if kind == "multilabel") == sorted(MULTILABEL_ROWS)
     seen = []
 
-    def load(data, scaling, labels="datalist.json", grey_rule="luma", only=None):
+    def load(data, scaling, labels="datalist.json", grey_rule="luma", only=None, keep_unannotated=False):
         seen.append(grey_rule)
         raise RuntimeError("loaded")
 

@@ -1093,6 +1093,169 @@ def test_project_fednoro_federation_equals_the_reference_over_three_rounds(pos_w
     assert max(float(np.abs(project[-1][k] - other[k].numpy()).max()) for k in other) > 1e-3
 
 
+# ---------------------------------------------------------------- RSCFed on partial labels (benchmarks/reference/rscfed_pl.py)
+
+
+def test_rscfed_pl_reference_rules_by_hand():
+    from reference import rscfed_pl as rr
+
+    # two cases, class a annotated, b missing; the student's logits 0 (p = 0.5) on both views; the teacher's logit
+    # ln 3 (p = 0.75): the missing entries differ by 0.25, squared 1/16; the annotated ones cost log 2
+    y = torch.tensor([[1.0, -1.0], [0.0, -1.0]])
+    teacher = torch.full((2, 2), math.log(3))
+    got = rr.loss_fn(torch.zeros(2, 2), torch.zeros(2, 2), teacher, y, None, 0.5)
+    assert float(got) == pytest.approx(math.log(2) + 0.5 / 16)
+    # nothing missing, or no strong view: the BCE alone
+    assert float(rr.loss_fn(torch.zeros(2, 2), torch.zeros(2, 2), teacher, torch.zeros(2, 2), None, 0.5)) == \
+        pytest.approx(math.log(2))
+    assert float(rr.loss_fn(torch.zeros(2, 2), None, None, y, None, 0.5)) == pytest.approx(math.log(2))
+    # the teacher's parameters move by alpha; its buffers (batch norm) become the student's
+    student, teacher_net = torch.nn.BatchNorm1d(2), torch.nn.BatchNorm1d(2)
+    with torch.no_grad():
+        student.weight.fill_(3.0), teacher_net.weight.fill_(1.0), student.running_mean.fill_(7.0)
+    rr.ema(teacher_net, student, 0.25)
+    assert teacher_net.weight.tolist() == [1.5, 1.5] and teacher_net.running_mean.tolist() == [7.0, 7.0]
+    # a draw whose only member annotates nothing trains nothing: the round keeps the global model
+    blank = rr.Site(torch.zeros(3, 1, 4, 4), -torch.ones(3, 2), lambda: torch.nn.Linear(2, 2), None)
+    start = {k: v.clone() for k, v in torch.nn.Linear(2, 2).state_dict().items()}
+    assert not blank.annotated and rr.one_round([blank], start, [[0]], rr.CHECK, None, None) is start
+
+
+def test_rscfed_pl_reference_runs_with_a_site_annotating_nothing_in_its_draws(tmp_path, monkeypatch):
+    """The mixed protocol's site annotating nothing stays in the draws (loaded, not dropped) and trains nothing."""
+    import json
+
+    from fedlabels.data.synthetic import generate
+    from reference import rscfed_pl as rr
+
+    data = generate("cxr", tmp_path / "cxr", seed=0, size=16, cases=10, test_cases=30)
+    last = sorted(p.name for p in data.iterdir() if p.name.startswith("site-"))[-1]
+    items = json.loads((data / last / "datalist.json").read_text())
+    for it in items["training"]:
+        it["label"] = [-1] * len(it["label"])
+    (data / last / "datalist.json").write_text(json.dumps(items))
+    trained = []
+    train = rr.Site.train
+    monkeypatch.setattr(rr.Site, "train", lambda self, *a: trained.append(self.annotated) or train(self, *a))
+    out = rr.run(data, 2, {2}, batch_size=8, subsets=2, subset_size=2, log=lambda m: None)
+    assert 0 <= out["metrics"][2]["auroc"] <= 1 and trained and all(trained)
+
+
+def test_project_rscfed_pl_federation_equals_the_reference_over_two_rounds():
+    """RSCFed on partial labels, three sites (site-1: 8 cases annotating a and b; site-2: 6 annotating b and c;
+    site-3: 5 annotating nothing), two draws of two sites a round taken from the project's server and given to the
+    reference, fixed weak and strong views, one batch holding every case, Adam fresh each time a site trains,
+    positives weighted by N_neg / N_pos, lambda_c 100 (the distance weights matter): the global model after each
+    round. A site drawn twice trains twice from the global model; site-3 sits out of its draws on both sides."""
+    from fedlabels.methods import get
+    from fedlabels.methods.base import DRAW, to_numpy
+    from fedlabels.profile import SiteProfile
+    from reference import partial_fedavg as rf
+    from reference import rscfed_pl as rr
+
+    g = torch.Generator().manual_seed(5)
+    classes = ("a", "b", "c")
+    spec = {"site-1": (("a", "b"), 8), "site-2": (("b", "c"), 6), "site-3": ((), 5)}
+    opts = {"optimizer": "adam", "lr": 0.01, "reset_optimizer": True, "pos_weighted": True,
+            "consistency_weight": 2.0, "ema_alpha": 0.3}
+    method = get("rscfed_pl")
+    server = method.make_server(subsets=2, subset_size=2, seed=3, lambda_c=100.0)
+    data, clients = {}, {}
+    torch.manual_seed(0)
+    for site, (mine, n) in spec.items():
+        y = (torch.rand(n, 3, generator=g) < 0.4).float()
+        annotated = [classes.index(c) for c in mine]
+        y[0, annotated], y[1, annotated] = 1.0, 0.0
+        y[:, [c for c in range(3) if classes[c] not in mine]] = -1.0
+        x = torch.randn(n, 1, 5, 5, generator=g)
+        data[site] = (x, x + 0.5 * torch.randn(x.shape, generator=g), y)
+        # a site annotating nothing has an empty training loader (the bundle keeps annotated cases only): it abstains
+        batches = [{"image": x, "image_strong": data[site][1], "label": y}] if mine else []
+        ctx = site_context(SiteProfile(site, "multilabel", classes, mine, "image"), batches, labels=y.long().tolist())
+        clients[site] = method.make_client(_TinyResNet(), ctx, **opts)
+    server.setup({site: c.ctx.summary for site, c in clients.items()})
+    names = list(spec)
+    start = to_numpy(_TinyResNet().state_dict())
+    weights, project, draws = start, [], []
+    for rnd in range(2):
+        (step,) = server.plan(rnd, names)
+        results = []
+        for k, group in enumerate(step.groups):
+            updates = [u for u in (clients[s].train(weights, rnd, {DRAW: k}) for s in group) if not u.abstain]
+            assert [u.site for u in updates] == [s for s in group if s != "site-3"]
+            if updates:
+                results.append(server.aggregate(updates, weights, rnd))
+        draws.append([[names.index(s) for s in group] for group in step.groups])
+        weights = server.combine(results, weights, rnd, step)
+        project.append(weights)
+    # the draws exercise both cases: a draw with site-3 (one site trains) and a site drawn twice in a round
+    assert any(2 in d for rd in draws for d in rd) and any(d[0] in rd[1] for rd in draws for d in rd[:1])
+
+    def reference(scale):
+        def make_net():
+            net = _TinyResNet()
+            net.load_state_dict({k: torch.as_tensor(v) for k, v in start.items()})
+            return net
+
+        s = {**rr.CHECK, "lr": 0.01, "batch_size": 8, "epochs": 1, "consistency_weight": 2.0, "ema_alpha": 0.3,
+             "sup_scale": scale, "pos_weight": "neg_over_pos", "weight_decay": 0.0}
+        sites = [rr.Site(torch.cat([x, xs], 1), y, make_net, rf.class_weights(y, "neg_over_pos"))
+                 for x, xs, y in data.values()]
+        w, seen = {k: torch.as_tensor(v) for k, v in start.items()}, []
+        for rd in draws:
+            w = rr.one_round(sites, w, rd, s, torch.Generator().manual_seed(0), lambda x, gen: (x[:, :1], x[:, 1:]))
+            seen.append(w)
+        return seen
+
+    for rnd, (want, got) in enumerate(zip(project, reference(100.0))):
+        for k, v in got.items():
+            np.testing.assert_allclose(want[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"round {rnd} {k}")
+    # the distance weights matter at this tolerance: lambda 0 (FedAvg by n within each draw) gives another model
+    other = reference(0.0)[-1]
+    assert max(float(np.abs(project[-1][k] - other[k].numpy()).max()) for k in other) > 1e-3
+
+
+def test_project_rscfed_pl_site_equals_the_reference_over_two_epochs():
+    """One site annotating a and b of a, b, c, two epochs of one batch each: the second step's consistency target is
+    the teacher after one EMA step, so the EMA rate shows; Adam fresh, positives weighted by N_neg / N_pos."""
+    from fedlabels.methods import get
+    from fedlabels.methods.base import to_numpy
+    from fedlabels.profile import SiteProfile
+    from reference import partial_fedavg as rf
+    from reference import rscfed_pl as rr
+
+    g = torch.Generator().manual_seed(5)
+    y = (torch.rand(8, 3, generator=g) < 0.4).float()
+    y[0, :2], y[1, :2], y[:, 2] = 1.0, 0.0, -1.0
+    x = torch.randn(8, 1, 5, 5, generator=g)
+    xs = x + 0.5 * torch.randn(x.shape, generator=g)
+    torch.manual_seed(0)
+    start = to_numpy(_TinyResNet().state_dict())
+    ctx = site_context(SiteProfile("site-1", "multilabel", ("a", "b", "c"), ("a", "b"), "image"),
+                       [{"image": x, "image_strong": xs, "label": y}], labels=y.long().tolist())
+    client = get("rscfed_pl").make_client(_TinyResNet(), ctx, optimizer="adam", lr=0.01, reset_optimizer=True,
+                                          pos_weighted=True, consistency_weight=2.0, ema_alpha=0.3, epochs=2)
+    got = client.train(start, 0, {}).weights
+
+    def reference(alpha):
+        def make_net():
+            net = _TinyResNet()
+            net.load_state_dict({k: torch.as_tensor(v) for k, v in start.items()})
+            return net
+
+        site = rr.Site(torch.cat([x, xs], 1), y, make_net, rf.class_weights(y, "neg_over_pos"))
+        s = {**rr.CHECK, "lr": 0.01, "batch_size": 8, "epochs": 2, "consistency_weight": 2.0, "ema_alpha": alpha,
+             "pos_weight": "neg_over_pos", "weight_decay": 0.0}
+        return site.train({k: torch.as_tensor(v) for k, v in start.items()}, s, torch.Generator().manual_seed(0),
+                          lambda v, gen: (v[:, :1], v[:, 1:]))
+
+    want = reference(0.3)
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v.numpy(), rtol=0, atol=1e-5, err_msg=k)
+    other = reference(1.0)  # the teacher one step behind the student: another model
+    assert max(float(np.abs(got[k] - other[k].numpy()).max()) for k in other) > 1e-3
+
+
 # ---------------------------------------------------------------- the multi-label references' network
 
 
