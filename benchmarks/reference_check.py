@@ -377,6 +377,7 @@ METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False),
                **{row: ("fedavg_pl", False) for row in FLOOR_ROWS},
                "fedprox": ("fedprox", False), "fedfixmatch": ("fedfixmatch", False),
                "fednoro": ("fednoro", False), "rscfed_pl": ("rscfed_pl", False),
+               "composed": ("composed", False),
                "mt_wfedavg": ("mt_wfedavg", False), "rscfed": ("rscfed", False), "fedmix": ("fedmix", False),
                "oracle:fedadaptagg": ("fedadaptagg", True)}
 # the kind of preset each row's reference trains (the others: classification)
@@ -385,7 +386,7 @@ ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multila
             "fedavg_pl": "multilabel", "oracle:fedavg_pl": "multilabel",
             **{row: "multilabel" for row in FLOOR_ROWS},
             "fedprox": "multilabel",
-            "fedfixmatch": "multilabel", "fednoro": "multilabel", "rscfed_pl": "multilabel",
+            "fedfixmatch": "multilabel", "fednoro": "multilabel", "rscfed_pl": "multilabel", "composed": "multilabel",
             "fedmix": "segmentation",
             "oracle:fedadaptagg": "segmentation"}
 
@@ -418,8 +419,8 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         return fedmlp_settings(preset, s)
     if row in FEDPSL_ABLATIONS:
         return fedpsl_settings(preset, s, row)
-    if row == "rscfed_pl":
-        return rscfed_pl_settings(preset, s)
+    if row in ("rscfed_pl", "composed"):
+        return mean_teacher_settings(preset, row, s)
     floor = row in FLOOR_ROWS
     if row in ("fedavg", "fedavg_pl", "oracle:fedavg_pl", "fedprox", "fedfixmatch", "fednoro") or \
             (floor and row_kind(row, preset) == "multilabel"):
@@ -496,20 +497,22 @@ def fedmlp_settings(preset: str, s: dict) -> dict:
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
 
 
-def rscfed_pl_settings(preset: str, s: dict) -> dict:
-    """The project's ``rscfed_pl`` row with the reference's settings ``s`` (rscfed_pl.CHECK: FedMLP's values for
-    every comparison method, RSCFed's released code's for the rest)."""
+def mean_teacher_settings(preset: str, row: str, s: dict) -> dict:
+    """The project's ``rscfed_pl`` or ``composed`` row with the reference's settings ``s`` (rscfed_pl.CHECK and
+    composed.CHECK: FedMLP's values for every comparison method, RSCFed's released code's for the rest; the
+    composed method's own parts at its page's defaults)."""
     if REFERENCES[preset][0] != "multilabel":
-        raise ValueError(f"rscfed_pl: a multi-label preset, not {preset!r}")
+        raise ValueError(f"{row}: a multi-label preset, not {preset!r}")
     if s["pos_weight"] not in ("none", "neg_over_pos"):
         raise ValueError(f"pos_weight {s['pos_weight']!r}: the project weighs positives by N_neg / N_pos "
                          "('neg_over_pos') or not at all ('none')")
     client = {"optimizer": "adam", "lr": s["lr"], "weight_decay": s["weight_decay"],
               "reset_optimizer": not s["carry_optimizer"], "pos_weighted": s["pos_weight"] == "neg_over_pos",
               "consistency_weight": s["consistency_weight"], "ema_alpha": s["ema_alpha"]}
-    server = {"lambda_c": s["sup_scale"], "subsets": s["subsets"], "subset_size": s["subset_size"],
-              "labeled_multiplier": 1.0, "warmup_rounds": 0}
-    opts = [f"rscfed_pl:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
+    server = ({"isolate": s["isolate"], "classwise_head": s["classwise_head"]} if row == "composed" else
+              {"lambda_c": s["sup_scale"], "subsets": s["subsets"], "subset_size": s["subset_size"],
+               "labeled_multiplier": 1.0, "warmup_rounds": 0})
+    opts = [f"{row}:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
 
 
@@ -579,8 +582,8 @@ def fedmix_settings(preset: str, row: str, s: dict) -> dict:
 def method_reference(row: str, preset: str | None = None):
     """The module of ``benchmarks/reference/`` that implements ``row``'s method (a floor row's: by its preset's
     kind, ``row_kind``)."""
-    from reference import (fedfixmatch, fedmix, fedmlp, fednoro, fedprox, fedpsl, partial_fedavg, rscfed_pl, semisup,
-                           surgical)
+    from reference import (composed, fedfixmatch, fedmix, fedmlp, fednoro, fedprox, fedpsl, partial_fedavg, rscfed_pl,
+                           semisup, surgical)
 
     if row in FLOOR_ROWS and row_kind(row, preset) == "classification":
         return semisup  # wFedAvg of the one labeled site
@@ -591,7 +594,8 @@ def method_reference(row: str, preset: str | None = None):
             "oracle:fedavg_pl": partial_fedavg,
             **{row: partial_fedavg for row in FLOOR_ROWS},
             "fedprox": fedprox, "fedfixmatch": fedfixmatch,
-            "fednoro": fednoro, "rscfed_pl": rscfed_pl}.get(row, semisup)  # semisup: IsoFed, MT+wFedAvg, RSCFed and wFedAvg
+            "fednoro": fednoro, "rscfed_pl": rscfed_pl,
+            "composed": composed}.get(row, semisup)  # semisup: IsoFed, MT+wFedAvg, RSCFed and wFedAvg
 
 
 def refuse_options(row: str, augment: bool = True, grey: str | None = None, reference_runs: int = 1,
@@ -900,7 +904,8 @@ def _settings_text(s: dict, row: str, preset: str | None = None) -> str:
         name = ref.__name__.rsplit(".", 1)[-1]
         left = "; ".join(f"{k}: {v}" for k, v in ref.LEFT_OUT.items())
         where = ("a stated choice (FedPSL has no released code)" if row in ("fedprox", *FEDPSL_ABLATIONS)
-                 else "RSCFed's released code's" if row == "rscfed_pl" else "the released code's")
+                 else "RSCFed's released code's" if row == "rscfed_pl" else
+                 "RSCFed's released code's or docs/methods/composed.md's" if row == "composed" else "the released code's")
         changed = [k for k in s if k in ref.CHECK and s[k] != ref.CHECK[k]]
         scenario = {"oracle:fedavg_pl": " Every site trains on every label (each site's `oracle.json`) on both "
                                         "sides: the upper bound."}.get(row, "")
@@ -1179,12 +1184,12 @@ def main(argv=None) -> None:
                          "comes from)")
     ap.add_argument("--rows", help="comma-separated project rows checked against the method references "
                                    f"(benchmarks/reference/semisup.py, surgical.py, fedmlp.py, partial_fedavg.py, fedpsl.py, "
-                                   "fedprox.py, fedfixmatch.py, fednoro.py, rscfed_pl.py, fedmix.py): "
+                                   "fedprox.py, fedfixmatch.py, fednoro.py, rscfed_pl.py, composed.py, fedmix.py): "
                                    f"{', '.join(METHOD_ROWS)}; "
                                    f"each split runs the project with training seeds s and s + {SEED_OFFSET} and the "
                                    "reference once, with the reference's settings (semisup.CHECK, surgical.CHECK, "
                                    "fedmlp.CHECK, partial_fedavg.CHECK, fedpsl.CHECK, fedprox.CHECK, fedfixmatch.CHECK, "
-                                   "fednoro.CHECK, rscfed_pl.CHECK, fedmix.CHECK)")
+                                   "fednoro.CHECK, rscfed_pl.CHECK, composed.CHECK, fedmix.CHECK)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="with --rows: a reference setting instead of its CHECK value (a JSON value, e.g. beta=3, "
                          "carry_optimizer=false); both sides train with it")
@@ -1317,7 +1322,7 @@ def main_methods(args, config: dict | None = None) -> None:
     wrong = [r for r in rows if row_kind(r, args.preset) != kind]
     if wrong:
         raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl and its "
-                         "ablations, fedavg, fedavg_pl, fedprox, fedfixmatch, fednoro, rscfed_pl: a "
+                         "ablations, fedavg, fedavg_pl, fedprox, fedfixmatch, fednoro, rscfed_pl, composed: a "
                          "multi-label preset; fedmix: a segmentation preset; the others: a classification preset)")
     seeds, eval_rounds = _splits(args)
     settings = _settings(args.set, rows, args.preset)

@@ -666,7 +666,7 @@ def test_fednoro_reference_trains_unaugmented_when_told(tmp_path, monkeypatch):
 
 
 MULTILABEL_ROWS = ["fedavg", "fedavg_pl", "oracle:fedavg_pl", *(f"local:site-{k}" for k in range(1, 9)), "fedprox", "surgical", "fedmlp", "fedpsl", "fedpsl_tdma", "fedpsl_tadl",
-                   "fedfixmatch", "fednoro", "rscfed_pl"]
+                   "fedfixmatch", "fednoro", "rscfed_pl", "composed"]
 
 
 @pytest.mark.parametrize("row", MULTILABEL_ROWS)
