@@ -46,7 +46,7 @@ def screen_update(update: Update, reference: dict, extra_shapes: dict | None = N
         return f"case count {_short(n)} is not a positive integer (a site with nothing to train on abstains)"
     if max_n is not None and n > max_n:
         return (f"case count {int(n)} exceeds the {max_n} the site can train on (its declared cases at the "
-                "handshake x epochs)")
+                "handshake)")
     if not isinstance(update.weights, dict):
         return f"weights are a {type(update.weights).__name__}, not a mapping of arrays"
     if not update.weights:
@@ -161,7 +161,7 @@ class RoundEngine:
     """Runs rounds of one server rule. ``log(level, message)``; levels "info", "warning".
 
     ``max_n``: per site, the largest case count an update may carry (the cases it declared at the
-    handshake times its local epochs); a site not in it is not bounded. ``norm_ratio``: how many times its
+    handshake; an update counts the cases of one local epoch); a site not in it is not bounded. ``norm_ratio``: how many times its
     weight norm may stray from the received model's and the step's median (``outsized``; the FLARE
     controller sets ``NORM_RATIO``, where sites are other parties)."""
 

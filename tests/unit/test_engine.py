@@ -127,7 +127,7 @@ def test_faulty_updates_are_dropped_with_a_reason(bad, reason):
 HOSTILE = [
     (upd("B", "3", [5, 5]), "case count '3' is not a positive integer"),
     (upd("B", np.float32(3), [5, 5]), "is not a positive integer"),
-    (upd("B", 10**9, [5, 5]), "exceeds the 40 the site can train on"),  # B declared 20 cases x 2 epochs
+    (upd("B", 10**9, [5, 5]), "exceeds the 40 the site can train on"),  # B declared 40 cases
     (Update("B", {"w": np.array([5, 5], dtype=np.float64), "nbt": np.array(1)}, 3), "dtype of w is float64"),
     (Update("B", {"w": np.array(["5", "5"]), "nbt": np.array(1)}, 3), "dtype of w is <U1"),
     (Update("B", {"w": np.array([5, None], dtype=object), "nbt": np.array(1)}, 3), "dtype of w is object"),
@@ -140,7 +140,7 @@ HOSTILE = [
 
 @pytest.mark.parametrize("bad, reason", HOSTILE)
 def test_hostile_replies_are_dropped_with_a_reason(bad, reason):
-    bound = {"max_n": {"A": 40, "B": 40}} if "exceeds" in reason else {}  # the sites' declared cases x epochs
+    bound = {"max_n": {"A": 40, "B": 40}} if "exceeds" in reason else {}  # the sites' declared cases
     eng, _ = engine({"A": upd("A", 1, [1, 1]), "B": bad, "C": upd("C", 1, [3, 3])}, **bound)
     out, record, _ = eng.run_round(0, GLOBAL, ["A", "B", "C"])
     np.testing.assert_allclose(out["w"], [2.0, 2.0])  # A and C only

@@ -74,7 +74,7 @@ def test_run_watched_timeout_and_exit_code(tmp_path):
 @pytest.mark.parametrize("reply, reason", [
     ({"meta": {"n": "many"}}, "case count 'many' is not a positive integer"),
     ({"meta": {"n": [3]}}, "case count [3] is not a positive integer"),
-    ({"meta": {"n": 10**9}}, "exceeds the 20 the site can train on"),  # declared 10 cases, 2 epochs
+    ({"meta": {"n": 10**9}}, "exceeds the 10 the site can train on"),  # declared 10 cases (2 epochs: n counts one)
     ({"meta": {"n": 3, "extras": [1, 2]}}, "extras are a list"),
     ({"meta": {"n": 3, "abstain": np.array([True, False])}}, None),  # not a real boolean: no abstention
     ({"meta": {"n": 3, "fatal_error": "cannot read my data"}}, "the site cannot run: cannot read my data"),
@@ -86,7 +86,6 @@ def test_a_hostile_reply_reaches_the_engine_and_is_dropped_there(reply, reason):
     metrics and a fatal error in a round each stopped the job."""
     from nvflare.app_common.abstract.fl_model import FLModel
 
-    from fedlabels.config import RunConfig
     from fedlabels.engine import RoundEngine
     from fedlabels.flare.controller import case_bounds, to_update
     from fedlabels.methods.fedavg import FedAvgServer
@@ -96,9 +95,8 @@ def test_a_hostile_reply_reaches_the_engine_and_is_dropped_there(reply, reason):
                    meta={"client_name": "site-1", "n": 2})
     meta = {"client_name": "site-2", **reply["meta"]}
     bad = FLModel(params={"w": np.full(2, 5, dtype=np.float32)}, metrics=reply.get("metrics", {}), meta=meta)
-    cfg = RunConfig(method="fedavg", client={"epochs": 2})
-    bounds = case_bounds({"site-1": {"cases": 10}, "site-2": {"cases": 10}}, cfg)
-    assert bounds == {"site-1": 20, "site-2": 20}
+    bounds = case_bounds({"site-1": {"cases": 10}, "site-2": {"cases": 10}})
+    assert bounds == {"site-1": 10, "site-2": 10}
     logs = []
     eng = RoundEngine(FedAvgServer(), lambda *a: [to_update(good), to_update(bad)], key_metric="val_auroc",
                       max_n=bounds, log=lambda lvl, msg: logs.append(msg))
@@ -132,14 +130,11 @@ def test_job_py_sets_the_site_timeout(tmp_path, capsys):
 def test_privacy_noise_widens_the_case_bound_of_the_sites_that_noised():
     """The bound follows each site's own report (the job's option or the hospital's privacy.json), not
     the job's option: a site that noised under a job without the option is not dropped for it."""
-    from fedlabels.config import RunConfig
     from fedlabels.flare.controller import case_bounds
 
     report = {"noise_multiplier": 1.0, "clip": 1.5, "epsilon": 2.0, "delta": 1e-5, "releases": 1}
-    for privacy in ({"noise_multiplier": 1.0, "clip": 1.5, "delta": 1e-5}, {}):
-        cfg = RunConfig(method="fedavg", privacy=privacy)
-        assert case_bounds({"a": {"cases": 10, "privacy": report}, "b": {"cases": "x"}, "c": {"cases": 10}}, cfg) \
-            == {"a": 10 + 9, "c": 10}  # 6 x 1.0 x 1.5 where noised
+    assert case_bounds({"a": {"cases": 10, "privacy": report}, "b": {"cases": "x"}, "c": {"cases": 10}}) \
+        == {"a": 10 + 9, "c": 10}  # 6 x 1.0 x 1.5 where noised
 
 
 def test_committed_jobs_match_their_code(tmp_path):
@@ -330,7 +325,7 @@ def test_a_hospital_that_noises_its_summary_does_so_whatever_the_job_says(tmp_pa
     assert cfg.privacy == SITE_NOISE and "replaces the job's exact counts" in lines[0]
     summary = setup.summary()
     assert summary["privacy"]["noise_multiplier"] == 1.0 and summary["privacy"]["clip"] == 4.0
-    assert case_bounds({"site-1": summary}, RunConfig(method="fedavg")) == {"site-1": summary["cases"] + 24}
+    assert case_bounds({"site-1": summary}) == {"site-1": summary["cases"] + 24}
     site_policy(kit, noise_summary={**SITE_NOISE, "delta": 2.0})
     with pytest.raises(ValueError, match=r"local/privacy.json: field 'properties.fedlabels_privacy.delta': "
                                          r"must lie in \(0, 1\)"):

@@ -1217,7 +1217,8 @@ def test_project_rscfed_pl_federation_equals_the_reference_over_two_rounds():
 
 def test_project_rscfed_pl_site_equals_the_reference_over_two_epochs():
     """One site annotating a and b of a, b, c, two epochs of one batch each: the second step's consistency target is
-    the teacher after one EMA step, so the EMA rate shows; Adam fresh, positives weighted by N_neg / N_pos."""
+    the teacher after one EMA step, so the EMA rate shows; Adam fresh, positives weighted by N_neg / N_pos. The
+    update's case count is the site's 8 cases."""
     from fedlabels.methods import get
     from fedlabels.methods.base import to_numpy
     from fedlabels.profile import SiteProfile
@@ -1235,7 +1236,9 @@ def test_project_rscfed_pl_site_equals_the_reference_over_two_epochs():
                        [{"image": x, "image_strong": xs, "label": y}], labels=y.long().tolist())
     client = get("rscfed_pl").make_client(_TinyResNet(), ctx, optimizer="adam", lr=0.01, reset_optimizer=True,
                                           pos_weighted=True, consistency_weight=2.0, ema_alpha=0.3, epochs=2)
-    got = client.train(start, 0, {}).weights
+    update = client.train(start, 0, {})
+    got = update.weights
+    assert update.n == 8  # the site's cases (the papers' n_k), not cases x epochs: Eq. 3's exponent divides by it
 
     def reference(alpha):
         def make_net():

@@ -316,7 +316,7 @@ class FedLabelsController(BaseFedAvg):
         for line in notes:
             self.info(f"method {cfg.method}: {line}")
         engine = RoundEngine(server, self._send, key_metric=key, min_sites=cfg.min_sites, aggregate=self._aggregate,
-                             log=self._log, max_n=case_bounds(summaries, cfg), norm_ratio=NORM_RATIO)
+                             log=self._log, max_n=case_bounds(summaries), norm_ratio=NORM_RATIO)
         start = self.start_round
         if self.resume_from:
             model.params, start = self._resume(engine, cfg.method)
@@ -460,13 +460,12 @@ def to_update(result) -> Update:
                   _flag(meta.get(ABSTAIN)), str(reason)[:300] if reason else "")
 
 
-def case_bounds(summaries: dict, cfg: RunConfig) -> dict:
+def case_bounds(summaries: dict) -> dict:
     """Per site, the largest case count (``n``) an update may carry: the cases the site declared at
-    the handshake times its local epochs. A site that noised its summary (the job's privacy option, or
-    the hospital's own in its privacy.json) declared noised cases: the bound allows 6 standard
-    deviations of the noise its report states (exceeded with probability ~1e-9)."""
-    epochs = cfg.client.get("epochs", 1)
-    epochs = max(1, int(epochs)) if isinstance(epochs, int) and not isinstance(epochs, bool) else 1
+    the handshake (an update's n counts the cases of one local epoch, ``ClientRule.train``). A site
+    that noised its summary (the job's privacy option, or the hospital's own in its privacy.json)
+    declared noised cases: the bound allows 6 standard deviations of the noise its report states
+    (exceeded with probability ~1e-9)."""
     out = {}
     for site, summary in summaries.items():
         cases = summary.get("cases") if isinstance(summary, dict) else None
@@ -475,7 +474,7 @@ def case_bounds(summaries: dict, cfg: RunConfig) -> dict:
         if isinstance(report, dict):  # its numbers are checked at the handshake (profile.check_summary)
             slack = int(np.ceil(6 * abs(float(report["noise_multiplier"])) * abs(float(report["clip"]))))
         if isinstance(cases, int) and not isinstance(cases, bool) and cases >= 0:
-            out[site] = epochs * (cases + slack)
+            out[site] = cases + slack
     return out
 
 

@@ -273,7 +273,9 @@ class ClientRule:
     transport withholds ``local_keys``, the batch norm the BN policy keeps at
     the site). Methods override ``loss``,
     ``train_step`` or ``train``; ``train_step`` may return None for a batch it
-    skips (not counted in n). ``pos_weighted`` (multi-label only; default on)
+    skips (not counted in n). The update's n is the site's case count, the cases
+    trained on per local epoch (not times the epochs): the papers' n_k, which
+    IsoFed's Eq. 3 puts in an exponent where a common factor would not cancel. ``pos_weighted`` (multi-label only; default on)
     weights each class's positives by N_neg / N_pos over the site's cases
     annotated for it (``losses.pos_weight_from_counts``), the same rule for
     every method. ``momentum`` (SGD only; default 0.9) and ``clip_grad_norm`` (None: off) reach
@@ -392,7 +394,8 @@ class ClientRule:
                     n += len(batch["image"])
         except StopRound as e:
             return Update(self.profile.site, {}, 0, dict(self.ctx.summary), {}, abstain=True, reason=str(e))
-        return self.make_update(n, {"train_loss": float(np.mean(losses)) if losses else float("nan")})
+        return self.make_update(int(np.rint(n / max(self.epochs, 1))),  # ``round`` is the round here
+                                {"train_loss": float(np.mean(losses)) if losses else float("nan")})
 
     def make_update(self, n, metrics) -> Update:
         return Update(self.profile.site, to_numpy(self.net.state_dict()), n, dict(self.ctx.summary), metrics)
