@@ -1,6 +1,7 @@
 """The project's rows against independent plain-PyTorch references, with an equivalence criterion.
 
-Methods (IsoFed's table, Surgical Aggregation, FedMLP and its FedAvg baselines, FedPSL and its FedProx, FedMix;
+Methods (IsoFed's table, Surgical Aggregation, FedMLP and its FedAvg baselines, FedPSL and its FedProx, FedMix and
+FedST;
 ``--rows``)::
 
     python benchmarks/reference_check.py --preset isofed --rows oracle:wfedavg,isofed,mt_wfedavg \
@@ -22,7 +23,8 @@ Per split s (one prepared split each; ``{seed}`` in ``--data``) and row, the pro
 once: ``benchmarks/reference/semisup.py`` with ``semisup.CHECK`` (RSCFed's released values where the project
 can express them); ``surgical.py``, ``fedmlp.py``, ``partial_fedavg.py`` (FedMLP's FedAvg and FedAvg-PL),
 ``fedpsl.py``, ``fedprox.py`` (FedPSL's FedProx), ``fedfixmatch.py`` and ``fednoro.py`` (FedMLP's FedFixMatch
-and FedNoRo) and ``fedmix.py`` with their ``CHECK`` (the paper's values, the
+and FedNoRo), ``rscfed_pl.py``, ``composed.py``, ``fedmix.py`` and ``fedst.py`` (FedMix's FedST) with their
+``CHECK`` (the paper's values, the
 released code's or a stated choice where the paper prints none, each source in the module's ``PAPER``); both
 sides train with them
 (``project_settings`` turns them into the row's options and stops on any it cannot; ``--set KEY=VALUE``
@@ -379,7 +381,7 @@ METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False),
                "fednoro": ("fednoro", False), "rscfed_pl": ("rscfed_pl", False),
                "composed": ("composed", False),
                "mt_wfedavg": ("mt_wfedavg", False), "rscfed": ("rscfed", False), "fedmix": ("fedmix", False),
-               "oracle:fedadaptagg": ("fedadaptagg", True)}
+               "oracle:fedadaptagg": ("fedadaptagg", True), "fedst": ("fedst", False)}
 # the kind of preset each row's reference trains (the others: classification)
 ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multilabel", "fedpsl_tdma": "multilabel",
             "fedpsl_tadl": "multilabel", "fedavg": "multilabel",
@@ -387,7 +389,7 @@ ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multila
             **{row: "multilabel" for row in FLOOR_ROWS},
             "fedprox": "multilabel",
             "fedfixmatch": "multilabel", "fednoro": "multilabel", "rscfed_pl": "multilabel", "composed": "multilabel",
-            "fedmix": "segmentation",
+            "fedmix": "segmentation", "fedst": "segmentation",
             "oracle:fedadaptagg": "segmentation"}
 
 
@@ -562,9 +564,9 @@ def partial_fedavg_settings(preset: str, row: str, s: dict) -> dict:
 
 
 def fedmix_settings(preset: str, row: str, s: dict) -> dict:
-    """The project's ``fedmix`` or ``oracle:fedadaptagg`` row with the reference's settings ``s`` (fedmix.CHECK:
-    the paper's, the released code's where it prints none). The reference augments as the preset does (a random
-    90-degree turn and flip)."""
+    """The project's ``fedmix``, ``oracle:fedadaptagg`` or ``fedst`` row with the reference's settings ``s``
+    (fedmix.CHECK or fedst.CHECK: the paper's, the released code's where it prints none, FedST's stated choices).
+    The reference augments as the preset does (a random 90-degree turn and flip)."""
     if REFERENCES[preset][0] != "segmentation":
         raise ValueError(f"fedmix: a segmentation preset, not {preset!r}")
     if s["dice_eps"] > 1e-3:
@@ -574,7 +576,13 @@ def fedmix_settings(preset: str, row: str, s: dict) -> dict:
               "reset_optimizer": not s["carry_optimizer"]}
     if row == "fedmix":
         client |= {"epsilon": s["epsilon"], "box_rule": s["box_rule"], "threshold": s["threshold"]}
-    server = {"lam": s["lam"], "beta": s["beta"]}
+    if row == "fedst":
+        if s["threshold"] != 0.5:
+            raise ValueError(f"threshold {s['threshold']}: the project's FedST labels foreground above 0.5")
+        client |= {"confidence": s["confidence"]}
+        server = {"warmup_rounds": s["warmup_rounds"], "weighted": True}
+    else:
+        server = {"lam": s["lam"], "beta": s["beta"]}
     opts = [f"{row}:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
 
@@ -582,14 +590,14 @@ def fedmix_settings(preset: str, row: str, s: dict) -> dict:
 def method_reference(row: str, preset: str | None = None):
     """The module of ``benchmarks/reference/`` that implements ``row``'s method (a floor row's: by its preset's
     kind, ``row_kind``)."""
-    from reference import (composed, fedfixmatch, fedmix, fedmlp, fednoro, fedprox, fedpsl, partial_fedavg, rscfed_pl,
-                           semisup, surgical)
+    from reference import (composed, fedfixmatch, fedmix, fedmlp, fednoro, fedprox, fedpsl, fedst, partial_fedavg,
+                           rscfed_pl, semisup, surgical)
 
     if row in FLOOR_ROWS and row_kind(row, preset) == "classification":
         return semisup  # wFedAvg of the one labeled site
 
     return {"surgical": surgical, "fedmlp": fedmlp, "fedpsl": fedpsl, "fedpsl_tdma": fedpsl, "fedpsl_tadl": fedpsl,
-            "fedmix": fedmix,
+            "fedmix": fedmix, "fedst": fedst,
             "oracle:fedadaptagg": fedmix, "fedavg": partial_fedavg, "fedavg_pl": partial_fedavg,
             "oracle:fedavg_pl": partial_fedavg,
             **{row: partial_fedavg for row in FLOOR_ROWS},
@@ -634,7 +642,7 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
     seed-to-seed spread), one after the other in this process. ``config``: bundle overrides
     of the project side beyond the row's (``--per-case-augmentation``); ``widen``: the multi-label ResNet-18's
     width on both sides instead of the preset's."""
-    from reference import fedmix, fednoro, partial_fedavg, semisup
+    from reference import fedmix, fednoro, fedst, partial_fedavg, semisup
 
     reference = method_reference(row, preset)
     s = {**reference.CHECK, **(settings or {})}
@@ -671,6 +679,8 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
         ref = refs[0]
     elif reference is fedmix:
         ref = fedmix.run(data, rounds, set(eval_rounds), seed=split, method=method, oracle=oracle, log=log, **s)
+    elif reference is fedst:
+        ref = fedst.run(data, rounds, set(eval_rounds), seed=split, log=log, **s)
     elif row in FLOOR_ROWS:  # the labeled site alone: wFedAvg of one site, in rounds as floor_reference maps them
         ref = floor_reference(lambda d, r, ev, **kw: semisup.run(d, "wfedavg", r, ev, **kw), data, eval_rounds,
                               split, log, {**s, "only": row.split(":", 1)[1]})
@@ -885,14 +895,20 @@ def _settings_text(s: dict, row: str, preset: str | None = None) -> str:
     from reference import fedmix, semisup, surgical
 
     if row_kind(row, preset) == "segmentation":
+        ref = method_reference(row, preset)
         used = ", ".join(f"{k} {v}" for k, v in s.items())
-        left = "; ".join(f"{k}: {v}" for k, v in fedmix.LEFT_OUT.items())
-        return (f"Both sides train with the reference's settings (`benchmarks/reference/fedmix.py` `CHECK`, the "
-                f"paper's values, or the released code's where the paper prints none; their sources are its "
-                f"`PAPER`): {used}"
+        left = "; ".join(f"{k}: {v}" for k, v in ref.LEFT_OUT.items())
+        name = ref.__name__.rsplit(".", 1)[-1]
+        return (f"Both sides train with the reference's settings (`benchmarks/reference/{name}.py` `CHECK`, the "
+                f"paper's values, or the released code's where the paper prints none"
+                + ("; FedST's confidence and warm-up are stated choices" if row == "fedst" else "")
+                + f"; their sources are its `PAPER`): {used}"
                 + (". The reference follows Algorithm 1: each round a site's cases are pseudo-labelled once by the "
                    "received F1 and F2, selected by Eq. 2, and the kept cases re-batched; the project selects within "
                    "each batch" if row == "fedmix" else
+                   ". For warmup_rounds rounds only the sites with masks train; then every other site's cases learn "
+                   "the received model's confident pixels (soft Dice over them), FedAvg by cases" if row == "fedst"
+                   else
                    " (epsilon, threshold and box_rule are FedMix's; FedAdaptAgg trains one network on every site's "
                    "masks and aggregates by Eqs. 4-5)")
                 + f". The project's row is given the settings as options (`project_options` in each cell). Not the "
@@ -1184,12 +1200,12 @@ def main(argv=None) -> None:
                          "comes from)")
     ap.add_argument("--rows", help="comma-separated project rows checked against the method references "
                                    f"(benchmarks/reference/semisup.py, surgical.py, fedmlp.py, partial_fedavg.py, fedpsl.py, "
-                                   "fedprox.py, fedfixmatch.py, fednoro.py, rscfed_pl.py, composed.py, fedmix.py): "
+                                   "fedprox.py, fedfixmatch.py, fednoro.py, rscfed_pl.py, composed.py, fedmix.py, fedst.py): "
                                    f"{', '.join(METHOD_ROWS)}; "
                                    f"each split runs the project with training seeds s and s + {SEED_OFFSET} and the "
                                    "reference once, with the reference's settings (semisup.CHECK, surgical.CHECK, "
                                    "fedmlp.CHECK, partial_fedavg.CHECK, fedpsl.CHECK, fedprox.CHECK, fedfixmatch.CHECK, "
-                                   "fednoro.CHECK, rscfed_pl.CHECK, composed.CHECK, fedmix.CHECK)")
+                                   "fednoro.CHECK, rscfed_pl.CHECK, composed.CHECK, fedmix.CHECK, fedst.CHECK)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="with --rows: a reference setting instead of its CHECK value (a JSON value, e.g. beta=3, "
                          "carry_optimizer=false); both sides train with it")
@@ -1323,7 +1339,7 @@ def main_methods(args, config: dict | None = None) -> None:
     if wrong:
         raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl and its "
                          "ablations, fedavg, fedavg_pl, fedprox, fedfixmatch, fednoro, rscfed_pl, composed: a "
-                         "multi-label preset; fedmix: a segmentation preset; the others: a classification preset)")
+                         "multi-label preset; fedmix, fedst: a segmentation preset; the others: a classification preset)")
     seeds, eval_rounds = _splits(args)
     settings = _settings(args.set, rows, args.preset)
     for row in rows:  # every row's options, before the first cell trains

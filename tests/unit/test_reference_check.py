@@ -348,6 +348,28 @@ def test_the_fedmix_rows_get_the_references_settings_and_set_changes_both_sides(
         rc.project_settings("fedmix", "fedmix", {**s, "dice_eps": 0.5})
 
 
+def test_the_fedst_row_gets_the_references_settings_as_options_the_method_takes():
+    import reference_check as rc
+    from fedlabels.methods import get
+    from reference import fedst
+
+    assert rc.method_reference("fedst", "fedmix") is fedst and rc.row_kind("fedst", "fedmix") == "segmentation"
+    s = {**fedst.CHECK, "confidence": 0.8, "warmup_rounds": 7}
+    got = rc.project_settings("fedmix", "fedst", s)
+    assert got["batch_size"] == 16 and got["local_epochs"] == 1 and got["config"] == {}
+    opts = {k.split(":", 1)[1]: json.loads(v) for k, v in (o.split("=", 1) for o in got["opts"])}
+    assert opts == {"optimizer": "adam", "lr": 1e-3, "weight_decay": 1e-4, "reset_optimizer": False,
+                    "confidence": 0.8, "warmup_rounds": 7, "weighted": True}
+    method = get("fedst")
+    server = method.make_server(**{k: opts[k] for k in ("warmup_rounds", "weighted")})
+    assert server.warmup_rounds == 7 and server.weighted
+    with pytest.raises(ValueError, match="threshold"):
+        rc.project_settings("fedmix", "fedst", {**s, "threshold": 0.6})
+    assert rc._settings(["warmup_rounds=25"], ["fedst"]) == {"warmup_rounds": 25}
+    with pytest.raises(SystemExit, match="warmup_rounds: not a setting of row fedmix"):
+        rc._settings(["warmup_rounds=25"], ["fedst", "fedmix"])
+
+
 def test_the_fedmlp_row_gets_the_references_settings_as_options_the_method_takes():
     import reference_check as rc
     from fedlabels.methods import get

@@ -1,4 +1,4 @@
-"""The independent method references (benchmarks/reference/semisup.py, surgical.py, fedmix.py, fedmlp.py,
+"""The independent method references (benchmarks/reference/semisup.py, surgical.py, fedmix.py, fedst.py, fedmlp.py,
 fedpsl.py, partial_fedavg.py) against
 hand-computed numbers, and the project's server rules and sites against the references on the same inputs (same
 weights, same counts, one batch: the rules are deterministic there)."""
@@ -551,6 +551,75 @@ def test_project_fedmix_client_equals_the_reference_over_two_rounds():
                                        err_msg=f"round {rnd} {k}")
         weights = {k: np.asarray(v) + 0.01 * (np.asarray(v).dtype.kind == "f") for k, v in update.weights.items()}
     assert all(0 < k < n for k in kept), kept  # the selection dropped some cases and kept others
+
+
+def test_fedst_reference_rules_by_hand():
+    from fedlabels.losses import soft_dice
+    from fedlabels.methods.fedmix import FedSTServer
+    from reference import fedst as rs
+
+    p = torch.tensor([0.95, 0.6, 0.05, 0.4]).view(1, 1, 2, 2)
+    target, mask = rs.confident_targets(p, 0.5, 0.9)
+    assert target.flatten().tolist() == [1, 1, 0, 0] and mask.flatten().tolist() == [1, 0, 1, 0]
+    # sigmoid = (0.8, 0.3, 0.1, 0.9) over the confident pixels 1 and 3: dice = 2 x 0.8 / (0.8 + 0.1 + 1)
+    logits = torch.logit(torch.tensor([0.8, 0.3, 0.1, 0.9], dtype=torch.float64)).view(1, 1, 2, 2)
+    want = 1 - 1.6 / 1.9
+    t64, m64 = target.double(), mask.double()
+    assert float(rs.masked_soft_dice_loss(logits, t64, m64, 0.0)) == pytest.approx(want)
+    assert float(soft_dice(logits, t64, m64, smooth=0.0).mean()) == pytest.approx(want)  # the project's loss
+    # every pixel kept: FedMix's L_dice, 1 - 2 (0.8 + 0.3) / (2.1 + 2)
+    ones = torch.ones_like(m64)
+    assert float(rs.masked_soft_dice_loss(logits, t64, ones, 0.0)) == pytest.approx(1 - 2.2 / 4.1)
+    # the warm-up: the project's rounds count from 0, the reference's from 1; both self-train from the 4th
+    server = FedSTServer(warmup_rounds=3)
+    assert [server.extras(r, None)["self_training"] for r in range(6)] == [rs.self_training(r + 1, 3)
+                                                                           for r in range(6)]
+    assert [rs.self_training(r, 3) for r in range(1, 7)] == [False, False, False, True, True, True]
+
+
+def test_project_fedst_client_equals_the_reference_over_three_rounds():
+    """FedST's site without masks: in the warm-up it sends nothing; then, two rounds with Adam carried, each case
+    learns the received model's confident pixels. One batch holding every case and no augmentation, so both
+    sides see the same views; the received model differs between rounds."""
+    from fedlabels.methods import get
+    from fedlabels.methods.base import to_numpy
+    from fedlabels.methods.fedmix import NONE, STAGE
+    from fedlabels.nets import GroupNormUNet
+    from fedlabels.profile import SiteProfile
+    from reference import fedst as rs
+
+    g = torch.Generator().manual_seed(3)
+    n = 6
+    x = torch.rand(n, 1, 16, 16, generator=g)
+    s = {**rs.CHECK, "lr": 0.01, "batch_size": n, "dice_eps": 1e-5, "confidence": 0.6}
+    profile = SiteProfile("site-1", "segmentation", ("lesion",), ("lesion",), "none")
+    ctx = site_context(profile, [{"image": x, "label": torch.ones_like(x), "level": torch.full((n,), NONE)}],
+                       {"supervision": "none", "labeled": False, "cases": n})
+    torch.manual_seed(1)
+    net = GroupNormUNet(in_channels=1, features=(4, 4, 4, 4, 4, 4), num_groups=2)
+    weights = to_numpy(net.state_dict())
+    client = get("fedst").make_client(net, ctx, confidence=s["confidence"], optimizer="adam", lr=s["lr"],
+                                      weight_decay=s["weight_decay"], reset_optimizer=not s["carry_optimizer"])
+    warm = client.train(weights, 0, {STAGE: False})
+    assert warm.abstain and warm.n == 0
+    rnet = GroupNormUNet(in_channels=1, features=(4, 4, 4, 4, 4, 4), num_groups=2)
+    ropt = torch.optim.Adam(rnet.parameters(), lr=s["lr"], weight_decay=s["weight_decay"])
+    gen = torch.Generator().manual_seed(0)
+    confident = []
+    for rnd in (1, 2):
+        update = client.train(weights, rnd, {STAGE: True})
+        rnet.load_state_dict({k: torch.as_tensor(v) for k, v in weights.items()})
+        teacher = GroupNormUNet(in_channels=1, features=(4, 4, 4, 4, 4, 4), num_groups=2).eval()
+        teacher.load_state_dict(rnet.state_dict())
+        with torch.no_grad():
+            confident.append(float(rs.confident_targets(torch.sigmoid(teacher(x)), 0.5, s["confidence"])[1].mean()))
+        loss = rs.self_train(rnet, teacher, ropt, x, s, gen, augment=False)
+        assert update.n == n and update.metrics["train_loss"] == pytest.approx(loss, abs=1e-5)
+        for k, v in rnet.state_dict().items():
+            np.testing.assert_allclose(update.weights[k], v.detach().numpy(), rtol=0, atol=1e-5,
+                                       err_msg=f"round {rnd} {k}")
+        weights = {k: np.asarray(v) + 0.01 * (np.asarray(v).dtype.kind == "f") for k, v in update.weights.items()}
+    assert all(0 < c < 1 for c in confident), confident  # the mask keeps some pixels and drops others
 
 
 def test_fedmlp_reference_rules_by_hand():
