@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import fedavg_multilabel, fedmlp, partial_fedavg, rscfed_pl, semisup, surgical
+from . import fedavg_multilabel, partial_fedavg, rscfed_pl, semisup, surgical
 
 PAPER = {**{key: rscfed_pl.PAPER[key] for key in ("lr", "batch_size", "epochs", "rounds", "weight_decay",
                                                  "carry_optimizer", "pos_weight", "consistency_weight", "ema_alpha")},
@@ -91,17 +91,13 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, widen: float = 0.25, scal
     def make_net():
         return fedavg_multilabel.ResNet18(1, len(classes), widen)
 
-    def views(x, g):
-        weak = fedavg_multilabel.augment(x, g)
-        return weak, fedmlp.strong_augment(weak, g)  # the strong view transforms the weak one further, as the bundle's
-
     global_net = make_net()
     weights = {k: v.clone() for k, v in global_net.state_dict().items()}
     sites = [rscfed_pl.Site(x, y, make_net, partial_fedavg.class_weights(y, s["pos_weight"])) for x, y in raw]
     out, seconds = {}, []
     for rnd in range(1, rounds + 1):
         t0 = time.perf_counter()
-        weights = one_round(sites, weights, s, gen, views)
+        weights = one_round(sites, weights, s, gen, rscfed_pl.weak_and_strong)
         seconds.append(time.perf_counter() - t0)
         if rnd in eval_rounds:
             global_net.load_state_dict(weights)

@@ -121,6 +121,12 @@ class Site:
         return {k: v.detach().clone() for k, v in self.net.state_dict().items()}
 
 
+def weak_and_strong(x: torch.Tensor, gen: torch.Generator):
+    """A batch's weak view and its strong view, the weak one further transformed (as the bundles' are)."""
+    weak = fedavg_multilabel.augment(x, gen)
+    return weak, fedmlp.strong_augment(weak, gen)
+
+
 def one_round(sites: list, weights: dict, draws: list, s: dict, gen, views) -> dict:
     """One round from the global ``weights``: each draw (indices into ``sites``) trained and aggregated by Eqs.
     2-3, the new global model their plain mean; a draw whose members all annotate nothing leaves nothing."""
@@ -151,10 +157,6 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, widen: float = 0.25, scal
     def make_net():
         return fedavg_multilabel.ResNet18(1, len(classes), widen)
 
-    def views(x, g):
-        weak = fedavg_multilabel.augment(x, g)
-        return weak, fedmlp.strong_augment(weak, g)  # the strong view transforms the weak one further, as the bundle's
-
     global_net = make_net()
     weights = {k: v.clone() for k, v in global_net.state_dict().items()}
     sites = [Site(x, y, make_net, partial_fedavg.class_weights(y, s["pos_weight"])) for x, y in raw]
@@ -162,7 +164,7 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, widen: float = 0.25, scal
     for rnd in range(1, rounds + 1):
         t0 = time.perf_counter()
         draws = [draw.sample(range(len(sites)), s["subset_size"]) for _ in range(s["subsets"])]
-        weights = one_round(sites, weights, draws, s, gen, views)
+        weights = one_round(sites, weights, draws, s, gen, weak_and_strong)
         seconds.append(time.perf_counter() - t0)
         if rnd in eval_rounds:
             global_net.load_state_dict(weights)

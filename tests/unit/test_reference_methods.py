@@ -25,6 +25,20 @@ def t(x):
     return torch.tensor(x, dtype=torch.float64)
 
 
+def assert_same_rounds(project: list, reference: list) -> None:
+    """The project's weights after each round (numpy arrays) equal the reference's (tensors) to 1e-5."""
+    assert len(project) == len(reference)
+    for rnd, (want, got) in enumerate(zip(project, reference)):
+        for k, v in got.items():
+            np.testing.assert_allclose(want[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"round {rnd} {k}")
+
+
+def assert_differs(project: dict, other: dict) -> None:
+    """Some weight of the project's model is more than 1e-3 from ``other``'s: the switch under test matters at
+    the tolerance of ``assert_same_rounds``."""
+    assert max(float(np.abs(project[k] - other[k].numpy()).max()) for k in other) > 1e-3
+
+
 # ---------------------------------------------------------------- Eq. 2-3 by hand
 
 # Two sites, two tensors; n = (3, 1).
@@ -978,12 +992,10 @@ def test_shared_fedavg_rounds_equal_the_project_federation_with_adam_fresh_or_ca
                 log=lambda m: None, mu=mu)
         return seen
 
-    for rnd, (want, got) in enumerate(zip(project, reference(carry))):
-        for k, v in got.items():
-            np.testing.assert_allclose(want[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"round {rnd} {k}")
+    assert_same_rounds(project, reference(carry))
     others = [reference(not carry)[-1]] + ([reference(carry, mu=0.0)[-1]] if mu else [])
     for other in others:
-        assert max(float(np.abs(project[-1][k] - other[k].numpy()).max()) for k in other) > 1e-3
+        assert_differs(project[-1], other)
 
 
 
@@ -1083,12 +1095,10 @@ def test_project_fedfixmatch_federation_equals_the_reference_over_two_rounds(pos
                 torch.Generator().manual_seed(0), 0.01, batch_size=8, epochs=2, log=lambda m: None)
         return seen
 
-    for rnd, (want, got) in enumerate(zip(project, reference(confidence))):
-        for k, v in got.items():
-            np.testing.assert_allclose(want[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"round {rnd} {k}")
+    assert_same_rounds(project, reference(confidence))
     # the selection matters at this tolerance: keeping every case (confidence 0.5) gives another model
     other = reference(0.5)[-1]
-    assert max(float(np.abs(project[-1][k] - other[k].numpy()).max()) for k in other) > 1e-3
+    assert_differs(project[-1], other)
 
 
 # ---------------------------------------------------------------- FedNoRo (benchmarks/reference/fednoro.py)
@@ -1154,12 +1164,10 @@ def test_project_fednoro_federation_equals_the_reference_over_three_rounds(pos_w
                 torch.Generator().manual_seed(0), 0.01, batch_size=8, epochs=2, log=lambda m: None, start=begin)
         return seen
 
-    for rnd, (want, got) in enumerate(zip(project, reference(0.8))):
-        for k, v in got.items():
-            np.testing.assert_allclose(want[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"round {rnd} {k}")
+    assert_same_rounds(project, reference(0.8))
     # the distillation matters at this tolerance: the teacher without its temperature gives another model
     other = reference(1.0)[-1]
-    assert max(float(np.abs(project[-1][k] - other[k].numpy()).max()) for k in other) > 1e-3
+    assert_differs(project[-1], other)
 
 
 # ---------------------------------------------------------------- RSCFed on partial labels (benchmarks/reference/rscfed_pl.py)
@@ -1190,8 +1198,9 @@ def test_rscfed_pl_reference_rules_by_hand():
     assert not blank.annotated and rr.one_round([blank], start, [[0]], rr.CHECK, None, None) is start
 
 
-def test_rscfed_pl_reference_runs_with_a_site_annotating_nothing_in_its_draws(tmp_path, monkeypatch):
-    """The mixed protocol's site annotating nothing stays in the draws (loaded, not dropped) and trains nothing."""
+def test_the_mean_teacher_references_run_with_a_site_annotating_nothing(tmp_path, monkeypatch):
+    """The mixed protocol's site annotating nothing: in RSCFed's draws it is loaded, not dropped, and trains
+    nothing; in the composed method it trains (the isolated step)."""
     import json
 
     from fedlabels.data.synthetic import generate
@@ -1208,6 +1217,12 @@ def test_rscfed_pl_reference_runs_with_a_site_annotating_nothing_in_its_draws(tm
     monkeypatch.setattr(rr.Site, "train", lambda self, *a: trained.append(self.annotated) or train(self, *a))
     out = rr.run(data, 2, {2}, batch_size=8, subsets=2, subset_size=2, log=lambda m: None)
     assert 0 <= out["metrics"][2]["auroc"] <= 1 and trained and all(trained)
+    # the composed method's reference on the same sites: the site annotating nothing trains in the isolated step
+    from reference import composed as rcm
+
+    trained.clear()
+    out = rcm.run(data, 1, {1}, batch_size=8, log=lambda m: None)
+    assert 0 <= out["metrics"][1]["auroc"] <= 1 and False in trained and True in trained
 
 
 def test_project_rscfed_pl_federation_equals_the_reference_over_two_rounds():
@@ -1276,12 +1291,10 @@ def test_project_rscfed_pl_federation_equals_the_reference_over_two_rounds():
             seen.append(w)
         return seen
 
-    for rnd, (want, got) in enumerate(zip(project, reference(100.0))):
-        for k, v in got.items():
-            np.testing.assert_allclose(want[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"round {rnd} {k}")
+    assert_same_rounds(project, reference(100.0))
     # the distance weights matter at this tolerance: lambda 0 (FedAvg by n within each draw) gives another model
     other = reference(0.0)[-1]
-    assert max(float(np.abs(project[-1][k] - other[k].numpy()).max()) for k in other) > 1e-3
+    assert_differs(project[-1], other)
 
 
 def test_project_rscfed_pl_site_equals_the_reference_over_two_epochs():
@@ -1325,7 +1338,7 @@ def test_project_rscfed_pl_site_equals_the_reference_over_two_epochs():
     for k, v in want.items():
         np.testing.assert_allclose(got[k], v.numpy(), rtol=0, atol=1e-5, err_msg=k)
     other = reference(1.0)  # the teacher one step behind the student: another model
-    assert max(float(np.abs(got[k] - other[k].numpy()).max()) for k in other) > 1e-3
+    assert_differs(got, other)
 
 
 # ---------------------------------------------------------------- the composed method (benchmarks/reference/composed.py)
@@ -1392,14 +1405,12 @@ def test_project_composed_federation_equals_the_reference_over_two_rounds(isolat
             seen.append(w)
         return seen
 
-    for rnd, (want, got) in enumerate(zip(project, reference({}))):
-        for k, v in got.items():
-            np.testing.assert_allclose(want[k], v.numpy(), rtol=0, atol=1e-5, err_msg=f"round {rnd} {k}")
+    assert_same_rounds(project, reference({}))
     # the part under test matters at this tolerance: its switch flipped gives another model
     flip = {"consistency_weight": 2.0} if not weight else {"isolate": not isolate} if classwise_head else \
         {"classwise_head": True}
     other = reference(flip)[-1]
-    assert max(float(np.abs(project[-1][k] - other[k].numpy()).max()) for k in other) > 1e-3
+    assert_differs(project[-1], other)
 
 
 # ---------------------------------------------------------------- the multi-label references' network
