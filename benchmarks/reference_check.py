@@ -892,7 +892,7 @@ def _fedavg_section(label, scaling, cs, tolerance) -> list:
 
 
 def _settings_text(s: dict, row: str, preset: str | None = None) -> str:
-    from reference import fedmix, semisup, surgical
+    from reference import semisup, surgical
 
     if row_kind(row, preset) == "segmentation":
         ref = method_reference(row, preset)

@@ -1173,6 +1173,35 @@ def test_project_fednoro_federation_equals_the_reference_over_three_rounds(pos_w
 # ---------------------------------------------------------------- RSCFed on partial labels (benchmarks/reference/rscfed_pl.py)
 
 
+def _partial_label_data(spec: dict, classes: tuple, g: torch.Generator) -> dict:
+    """Per site of ``spec`` (site -> (annotated classes, cases)): images, a second view of them, and labels with -1
+    where the site does not annotate; cases 0 and 1 are a positive and a negative of each annotated class."""
+    data = {}
+    for site, (mine, n) in spec.items():
+        y = (torch.rand(n, len(classes), generator=g) < 0.4).float()
+        annotated = [classes.index(c) for c in mine]
+        y[0, annotated], y[1, annotated] = 1.0, 0.0
+        y[:, [c for c in range(len(classes)) if classes[c] not in mine]] = -1.0
+        x = torch.randn(n, 1, 5, 5, generator=g)
+        data[site] = (x, x + 0.5 * torch.randn(x.shape, generator=g), y)
+    return data
+
+
+def _reference_sites(data: dict, start: dict) -> list:
+    """``rscfed_pl.Site`` s over ``_partial_label_data`` (both views stacked as channels), each network starting
+    from ``start``, positives weighted by N_neg / N_pos."""
+    from reference import partial_fedavg as rf
+    from reference import rscfed_pl as rr
+
+    def make_net():
+        net = _TinyResNet()
+        net.load_state_dict({k: torch.as_tensor(v) for k, v in start.items()})
+        return net
+
+    return [rr.Site(torch.cat([x, xs], 1), y, make_net, rf.class_weights(y, "neg_over_pos"))
+            for x, xs, y in data.values()]
+
+
 def test_rscfed_pl_reference_rules_by_hand():
     from reference import rscfed_pl as rr
 
@@ -1234,7 +1263,6 @@ def test_project_rscfed_pl_federation_equals_the_reference_over_two_rounds():
     from fedlabels.methods import get
     from fedlabels.methods.base import DRAW, to_numpy
     from fedlabels.profile import SiteProfile
-    from reference import partial_fedavg as rf
     from reference import rscfed_pl as rr
 
     g = torch.Generator().manual_seed(5)
@@ -1244,17 +1272,12 @@ def test_project_rscfed_pl_federation_equals_the_reference_over_two_rounds():
             "consistency_weight": 2.0, "ema_alpha": 0.3}
     method = get("rscfed_pl")
     server = method.make_server(subsets=2, subset_size=2, seed=3, lambda_c=100.0)
-    data, clients = {}, {}
+    data, clients = _partial_label_data(spec, classes, g), {}
     torch.manual_seed(0)
-    for site, (mine, n) in spec.items():
-        y = (torch.rand(n, 3, generator=g) < 0.4).float()
-        annotated = [classes.index(c) for c in mine]
-        y[0, annotated], y[1, annotated] = 1.0, 0.0
-        y[:, [c for c in range(3) if classes[c] not in mine]] = -1.0
-        x = torch.randn(n, 1, 5, 5, generator=g)
-        data[site] = (x, x + 0.5 * torch.randn(x.shape, generator=g), y)
+    for site, (x, xs, y) in data.items():
+        mine = spec[site][0]
         # a site annotating nothing has an empty training loader (the bundle keeps annotated cases only): it abstains
-        batches = [{"image": x, "image_strong": data[site][1], "label": y}] if mine else []
+        batches = [{"image": x, "image_strong": xs, "label": y}] if mine else []
         ctx = site_context(SiteProfile(site, "multilabel", classes, mine, "image"), batches, labels=y.long().tolist())
         clients[site] = method.make_client(_TinyResNet(), ctx, **opts)
     server.setup({site: c.ctx.summary for site, c in clients.items()})
@@ -1276,15 +1299,9 @@ def test_project_rscfed_pl_federation_equals_the_reference_over_two_rounds():
     assert any(2 in d for rd in draws for d in rd) and any(d[0] in rd[1] for rd in draws for d in rd[:1])
 
     def reference(scale):
-        def make_net():
-            net = _TinyResNet()
-            net.load_state_dict({k: torch.as_tensor(v) for k, v in start.items()})
-            return net
-
         s = {**rr.CHECK, "lr": 0.01, "batch_size": 8, "epochs": 1, "consistency_weight": 2.0, "ema_alpha": 0.3,
              "sup_scale": scale, "pos_weight": "neg_over_pos", "weight_decay": 0.0}
-        sites = [rr.Site(torch.cat([x, xs], 1), y, make_net, rf.class_weights(y, "neg_over_pos"))
-                 for x, xs, y in data.values()]
+        sites = _reference_sites(data, start)
         w, seen = {k: torch.as_tensor(v) for k, v in start.items()}, []
         for rd in draws:
             w = rr.one_round(sites, w, rd, s, torch.Generator().manual_seed(0), lambda x, gen: (x[:, :1], x[:, 1:]))
@@ -1356,25 +1373,18 @@ def test_project_composed_federation_equals_the_reference_over_two_rounds(isolat
     from fedlabels.methods.base import to_numpy
     from fedlabels.profile import SiteProfile
     from reference import composed as rc_
-    from reference import partial_fedavg as rf
-    from reference import rscfed_pl as rr
 
     g = torch.Generator().manual_seed(8)
     classes = ("a", "b", "c")
     spec = {"F": (classes, 6), "P": (("a",), 8), "U": ((), 5)}
     method = get("composed")
     server = method.make_server(isolate=isolate, classwise_head=classwise_head)
-    data, clients = {}, {}
+    data, clients = _partial_label_data(spec, classes, g), {}
     torch.manual_seed(0)
-    for site, (mine, n) in spec.items():
-        y = (torch.rand(n, 3, generator=g) < 0.4).float()
-        annotated = [classes.index(c) for c in mine]
-        y[0, annotated], y[1, annotated] = 1.0, 0.0
-        y[:, [c for c in range(3) if classes[c] not in mine]] = -1.0
-        x = torch.randn(n, 1, 5, 5, generator=g)
-        data[site] = (x, x + 0.5 * torch.randn(x.shape, generator=g), y)
+    for site, (x, xs, y) in data.items():
+        mine = spec[site][0]
         ctx = site_context(SiteProfile(site, "multilabel", classes, mine, "image"),
-                           [{"image": x, "image_strong": data[site][1], "label": y}], labels=y.long().tolist())
+                           [{"image": x, "image_strong": xs, "label": y}], labels=y.long().tolist())
         clients[site] = method.make_client(_TinyResNet(), ctx, optimizer="adam", lr=0.01, reset_optimizer=True,
                                            pos_weighted=True, consistency_weight=weight, ema_alpha=0.3)
     server.setup({site: c.ctx.summary for site, c in clients.items()})
@@ -1389,16 +1399,10 @@ def test_project_composed_federation_equals_the_reference_over_two_rounds(isolat
         project.append(weights)
 
     def reference(s_over):
-        def make_net():
-            net = _TinyResNet()
-            net.load_state_dict({k: torch.as_tensor(v) for k, v in start.items()})
-            return net
-
         s = {**rc_.CHECK, "lr": 0.01, "batch_size": 8, "epochs": 1, "consistency_weight": weight, "ema_alpha": 0.3,
              "pos_weight": "neg_over_pos", "weight_decay": 0.0, "isolate": isolate, "classwise_head": classwise_head,
              **s_over}
-        sites = [rr.Site(torch.cat([x, xs], 1), y, make_net, rf.class_weights(y, "neg_over_pos"))
-                 for x, xs, y in data.values()]
+        sites = _reference_sites(data, start)
         w, seen = {k: torch.as_tensor(v) for k, v in start.items()}, []
         for _ in range(2):
             w = rc_.one_round(sites, w, s, torch.Generator().manual_seed(0), lambda x, gen: (x[:, :1], x[:, 1:]))
