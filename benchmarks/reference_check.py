@@ -626,9 +626,9 @@ def refuse_options(row: str, augment: bool = True, grey: str | None = None, refe
                          f"FedNoRo (fednoro.py) have it, not {row}'s")
     if grey is not None and not multilabel:
         raise ValueError("--reference-grey: only the multi-label references read colour images as grey")
-    if reference_runs < 1 or (reference_runs > 1 and not multilabel):
-        raise ValueError(f"--reference-runs {reference_runs}: at least 1; more than 1 with the multi-label "
-                         "references only")
+    if reference_runs < 1 or (reference_runs > 1 and row_kind(row, preset) == "classification"):
+        raise ValueError(f"--reference-runs {reference_runs}: at least 1; more than 1 with the multi-label and "
+                         "segmentation references only")
     if widen and not multilabel:
         raise ValueError("--widen: only the ResNet-18 of the multi-label references has a width option")
 
@@ -677,10 +677,11 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
                                   scaling=bundle["scaling"], widen=widen or bundle.get("widen", 1.0), **extra, **s)
                     for k in range(reference_runs)]
         ref = refs[0]
-    elif reference is fedmix:
-        ref = fedmix.run(data, rounds, set(eval_rounds), seed=split, method=method, oracle=oracle, log=log, **s)
-    elif reference is fedst:
-        ref = fedst.run(data, rounds, set(eval_rounds), seed=split, log=log, **s)
+    elif reference in (fedmix, fedst):
+        kw = {"method": method, "oracle": oracle} if reference is fedmix else {}
+        refs = [reference.run(data, rounds, set(eval_rounds), seed=split + k * SEED_OFFSET, log=log, **kw, **s)
+                for k in range(reference_runs)]
+        ref = refs[0]
     elif row in FLOOR_ROWS:  # the labeled site alone: wFedAvg of one site, in rounds as floor_reference maps them
         ref = floor_reference(lambda d, r, ev, **kw: semisup.run(d, "wfedavg", r, ev, **kw), data, eval_rounds,
                               split, log, {**s, "only": row.split(":", 1)[1]})
@@ -1210,8 +1211,9 @@ def main(argv=None) -> None:
                     help="with --rows: a reference setting instead of its CHECK value (a JSON value, e.g. beta=3, "
                          "carry_optimizer=false); both sides train with it")
     ap.add_argument("--reference-runs", type=int, default=1,
-                    help=f"with multi-label --rows: the reference trains this many times per split (seeds s, s + "
-                         f"{SEED_OFFSET}, ...): its own seed-to-seed spread; its mean is what d compares with")
+                    help="with multi-label or segmentation --rows: the reference trains this many times per split "
+                         f"(seeds s, s + {SEED_OFFSET}, ...): its own seed-to-seed spread; its mean is what d "
+                         "compares with")
     ap.add_argument("--two-seeds", action="store_true",
                     help=f"run the project twice per split (training seeds s and s + {SEED_OFFSET}): criterion (b)")
     ap.add_argument("--table-only", action="store_true", help="rewrite reference_check.md from the finished cells")

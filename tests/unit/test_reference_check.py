@@ -671,6 +671,21 @@ def test_no_augmentation_reaches_the_fedavg_reference_and_is_refused_elsewhere(t
     assert not (tmp_path / "work").exists() and not (tmp_path / "out" / "cells").exists()  # nothing trained
 
 
+def test_a_segmentation_reference_runs_as_often_as_told(tmp_path, monkeypatch):
+    import reference_check as rc
+    from reference import fedst
+
+    seen = []
+    monkeypatch.setattr(rc, "project_cell", lambda *a, **kw: {"metrics": {1: {"dice": 0.5}}})
+    monkeypatch.setattr(fedst, "run", lambda data, rounds, ev, seed, log, **s:
+                        seen.append((seed, s["warmup_rounds"])) or {"metrics": {1: {"dice": seed / 1e4}}})
+    cell = rc.compare_methods("fedmix", "fedst", tmp_path, 2, 1, [1], tmp_path / "work", reference_runs=3,
+                              settings={"warmup_rounds": 4})
+    assert seen == [(2, 4), (2 + rc.SEED_OFFSET, 4), (2 + 2 * rc.SEED_OFFSET, 4)]
+    assert [r["metrics"]["1"]["dice"] for r in rc.reference_runs(cell)] == [s / 1e4 for s, _ in seen]
+    assert rc.reference_metric(cell, 1, "dice") == pytest.approx(np.mean([s / 1e4 for s, _ in seen]))
+
+
 def test_fednoro_reference_trains_unaugmented_when_told(tmp_path, monkeypatch):
     from fedlabels.data.synthetic import generate
     from reference import fedavg_multilabel, fednoro
