@@ -42,7 +42,9 @@ PAPER = {
                           "100 rounds); FedMix prints none"),
 }
 CHECK = {k: v for k, (v, _) in PAPER.items()}
-LEFT_OUT = {key: value for key, value in fedmix.LEFT_OUT.items() if "L_i" not in key}
+LEFT_OUT = {**{key: value for key, value in fedmix.LEFT_OUT.items() if "L_i" not in key and "Xavier" not in key},
+            "Xavier initialisation (paper Sec. IV-B4)": "PyTorch's default initialisation; the project's network "
+                                                        "takes MONAI's default, and the project has no Xavier option"}
 
 
 def confident_targets(p: torch.Tensor, threshold: float, confidence: float):

@@ -86,7 +86,7 @@ class Site:
     """One site's cases (``annotated``: it annotates some class) and, with ``carry_optimizer``, its kept Adam."""
 
     def __init__(self, x, y, make_net, weight):
-        self.x, self.y, self.n, self.weight = x, y, len(y), weight
+        self.x, self.y, self.n, self.weight = x, y, len(y), weight  # n: set again by each train
         self.annotated = bool((y >= 0).any())
         self.net, self.opt = make_net(), None
 
@@ -100,10 +100,12 @@ class Site:
             p.requires_grad_(False)
         self.net.train()
         missing = bool((self.y < 0).any()) and s["consistency_weight"] > 0
+        # a last batch of one case is dropped (batch norm cannot train on it), as the bundles' loaders drop it
+        batches = fedavg_multilabel.batcher(gen, s["batch_size"], smallest=2 if s["batch_size"] > 1 else 1)
+        trained = 0
         for _ in range(s["epochs"]):
-            order = torch.randperm(self.n, generator=gen)
-            for i in range(0, self.n, s["batch_size"]):
-                idx = order[i:i + s["batch_size"]]
+            for idx in batches(len(self.y)):
+                trained += len(idx)
                 weak, strong = views(self.x[idx], gen)
                 weak_logits = self.net(weak)
                 if missing and bool((self.y[idx] < 0).any()):
@@ -118,6 +120,7 @@ class Site:
                 loss.backward()
                 self.opt.step()
                 ema(teacher, self.net, s["ema_alpha"])
+        self.n = round(trained / s["epochs"])  # n_k: the cases of one epoch it trained on
         return {k: v.detach().clone() for k, v in self.net.state_dict().items()}
 
 

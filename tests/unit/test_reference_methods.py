@@ -1227,6 +1227,24 @@ def test_rscfed_pl_reference_rules_by_hand():
     assert not blank.annotated and rr.one_round([blank], start, [[0]], rr.CHECK, None, None) is start
 
 
+def test_rscfed_pl_reference_drops_a_last_batch_of_one():
+    """9 cases in batches of 8: each epoch's last batch of one is dropped, as the project's loader drops it (batch
+    norm raises on one case), and n_k is the 8 cases an epoch trained on, the project's update count."""
+    from reference import rscfed_pl as rr
+
+    g = torch.Generator().manual_seed(0)
+    y = (torch.rand(9, 2, generator=g) < 0.5).float()
+    y[:, 1] = -1.0
+    y[0, 0], y[1, 0] = 1.0, 0.0
+    site = rr.Site(torch.randn(9, 2, 4, 4, generator=g), y,
+                   lambda: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 4), torch.nn.BatchNorm1d(4),
+                                               torch.nn.Linear(4, 2)), None)
+    start = {k: v.clone() for k, v in site.net.state_dict().items()}
+    s = {**rr.CHECK, "batch_size": 8, "epochs": 2, "consistency_weight": 1.0}
+    out = site.train(start, s, torch.Generator().manual_seed(1), lambda x, gen: (x[:, :1], x[:, 1:]))
+    assert site.n == 8 and any(not torch.equal(out[k], start[k]) for k in start)
+
+
 def test_the_mean_teacher_references_run_with_a_site_annotating_nothing(tmp_path, monkeypatch):
     """The mixed protocol's site annotating nothing: in RSCFed's draws it is loaded, not dropped, and trains
     nothing; in the composed method it trains (the isolated step)."""

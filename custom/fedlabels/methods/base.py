@@ -394,7 +394,8 @@ class ClientRule:
                     n += len(batch["image"])
         except StopRound as e:
             return Update(self.profile.site, {}, 0, dict(self.ctx.summary), {}, abstain=True, reason=str(e))
-        return self.make_update(int(np.rint(n / max(self.epochs, 1))),  # ``round`` is the round here
+        # n_k: the cases of one local epoch (the papers' n_k; Eq. 3 of IsoFed puts it in an exponent)
+        return self.make_update(int(np.rint(n / max(self.epochs, 1))),
                                 {"train_loss": float(np.mean(losses)) if losses else float("nan")})
 
     def make_update(self, n, metrics) -> Update:

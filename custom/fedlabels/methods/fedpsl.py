@@ -5,7 +5,7 @@ The model is ``g_phi ∘ f_theta``: phi = the head (``net.head_name``, the last
 
 TDMA -- task-dependent model aggregation (Eq. 9), ``TDMAServer``
     * features (every key but the head's): mean weighted by n_k. n_k is
-      ``Update.n``, the cases the site trained on this round, exactly as in
+      ``Update.n``, the cases of one local epoch the site trained on, exactly as in
       ``FedAvgServer``, so "fedpsl_tadl" and "fedpsl" differ only in the head;
     * head row c (weight row + bias entry): mean weighted by n_k^c, the site's
       training cases annotated for c (``Update.meta["annotated"]``, masked by
