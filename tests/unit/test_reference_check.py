@@ -348,6 +348,31 @@ def test_the_fedmix_rows_get_the_references_settings_and_set_changes_both_sides(
         rc.project_settings("fedmix", "fedmix", {**s, "dice_eps": 0.5})
 
 
+@pytest.mark.parametrize("row", ["rscfed_pl", "composed"])
+def test_the_mean_teacher_rows_get_the_references_settings_as_options_the_method_takes(row):
+    import reference_check as rc
+    from fedlabels.methods import get
+
+    ref = rc.method_reference(row, "fedmlp_blood")
+    s = {**ref.CHECK, "lr": 0.002, "consistency_weight": 1.0, "carry_optimizer": True, "pos_weight": "neg_over_pos"}
+    got = rc.project_settings("fedmlp_blood", row, s)
+    assert got["batch_size"] == s["batch_size"] and got["local_epochs"] == s["epochs"] and got["config"] == {}
+    opts = {k.split(":", 1)[1]: json.loads(v) for k, v in (o.split("=", 1) for o in got["opts"])}
+    method = get(row)
+    assert set(opts) <= method.client_option_names() | method.server_option_names()
+    assert (opts["lr"], opts["consistency_weight"], opts["reset_optimizer"]) == (0.002, 1.0, False)
+    assert opts["ema_alpha"] == s["ema_alpha"] and opts["pos_weighted"] is True
+    if row == "composed":
+        assert (opts["isolate"], opts["classwise_head"]) == (True, True)
+    else:
+        assert (opts["subsets"], opts["subset_size"], opts["lambda_c"]) == (s["subsets"], s["subset_size"],
+                                                                            s["sup_scale"])
+    plain = rc.project_settings("fedmlp_blood", row, {**s, "pos_weight": "none"})["opts"]
+    assert f"{row}:pos_weighted=false" in plain
+    with pytest.raises(ValueError, match="pos_weight"):
+        rc.project_settings("fedmlp_blood", row, {**s, "pos_weight": "sqrt"})
+
+
 def test_the_fedst_row_gets_the_references_settings_as_options_the_method_takes():
     import reference_check as rc
     from fedlabels.methods import get

@@ -1259,11 +1259,14 @@ def test_the_mean_teacher_references_run_with_a_site_annotating_nothing(tmp_path
     for it in items["training"]:
         it["label"] = [-1] * len(it["label"])
     (data / last / "datalist.json").write_text(json.dumps(items))
-    trained = []
-    train = rr.Site.train
+    trained, loaded = [], []
+    train, init = rr.Site.train, rr.Site.__init__
     monkeypatch.setattr(rr.Site, "train", lambda self, *a: trained.append(self.annotated) or train(self, *a))
+    monkeypatch.setattr(rr.Site, "__init__", lambda self, *a: init(self, *a) or loaded.append(self.annotated))
     out = rr.run(data, 2, {2}, batch_size=8, subsets=2, subset_size=2, log=lambda m: None)
     assert 0 <= out["metrics"][2]["auroc"] <= 1 and trained and all(trained)
+    # every site loaded, the one annotating nothing among them
+    assert loaded.count(False) == 1 and len(loaded) == len([p for p in data.iterdir() if p.name.startswith("site-")])
     # the composed method's reference on the same sites: the site annotating nothing trains in the isolated step
     from reference import composed as rcm
 
