@@ -1278,12 +1278,17 @@ def _code() -> str:
     return code_version()
 
 
-def _skipped(cell: Path, asked: dict, eval_rounds: list) -> None:
+def _skipped(cell: Path, asked: dict, eval_rounds: list, runs: int | None = None) -> None:
     """A finished cell is kept when it ran what this command asks: each field of ``asked`` it records
-    (``reference.KEY``: a reference setting) equal, and every round of ``eval_rounds`` scored; else one error
-    naming the cell and the field, before anything trains (a cell is found by its label, which another
-    command can reuse). A kept cell written by other code than this says so."""
+    (``reference.KEY``: a reference setting) equal, every round of ``eval_rounds`` scored and (``runs``) the
+    reference run that many times; else one error naming the cell and the field, before anything trains (a cell
+    is found by its label, which another command can reuse). A kept cell written by other code than this says
+    so."""
     done = json.loads(cell.read_text())
+    if runs is not None and "reference_run" in done and len(reference_runs(done)) != runs:
+        raise SystemExit(f"reference_check: {cell}: field 'reference runs' is {len(reference_runs(done))} in the "
+                         f"finished cell, this command asks {runs}; give another --label, or remove the cell to "
+                         "recompute it")
     for field, want in asked.items():
         group, _, key = field.rpartition(".")
         record = done.get(group, {}) if group else done
@@ -1357,9 +1362,11 @@ def main_methods(args, config: dict | None = None) -> None:
         for row in rows:
             cell = out / "cells" / f"{args.label}-{row.replace(':', '_')}-seed{seed}.json"
             if cell.is_file():
+                grey = args.reference_grey or ("mean" if row_kind(row, args.preset) == "multilabel" else None)
                 _skipped(cell, {"preset": args.preset, "row": row, "rounds": args.rounds, "image_size": args.image_size,
-                                "widen": args.widen, "project_config": config, "reference_grey": args.reference_grey,
-                                **{f"reference.{k}": v for k, v in settings.items()}}, eval_rounds)
+                                "widen": args.widen, "project_config": config, "reference_grey": grey,
+                                **{f"reference.{k}": v for k, v in settings.items()}}, eval_rounds,
+                         args.reference_runs)
                 continue
             t0 = time.time()
             load_before = os.getloadavg()[0]

@@ -790,6 +790,32 @@ def test_a_kept_cell_written_by_other_code_says_so(tmp_path, capsys):
     assert "(written by code not recorded;" in capsys.readouterr().out
 
 
+def test_a_multilabel_cell_is_resumed_without_naming_the_default_grey_rule(tmp_path, capsys):
+    """A multi-label cell records the grey rule it ran (the default, the mean of R, G and B, when none is given): the
+    same command without --reference-grey keeps it instead of refusing it."""
+    import shutil
+
+    import reference_check as rc
+    from fedlabels.data.synthetic import generate
+
+    generate("cxr", tmp_path / "d-s0", seed=0, size=16, cases=6, test_cases=12)
+    name = "bloodmnist-mixed-baselines-fedavg_pl-seed0.json"
+    (tmp_path / "out" / "cells").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "results" / "reference_check" / "cells" / name, tmp_path / "out" / "cells")
+    assert json.loads((tmp_path / "out" / "cells" / name).read_text())["reference_grey"] == "mean"
+    rc.main(["--preset", "fedmlp_blood", "--rows", "fedavg_pl", "--data", str(tmp_path / "d-s{seed}"), "--seeds", "0",
+             "--rounds", "30", "--eval-rounds", "10,20,30", "--label", "bloodmnist-mixed-baselines",
+             "--out", str(tmp_path / "out"), "--set", "lr=0.001", "--set", "batch_size=16", "--set", "weight_decay=0",
+             "--set", "pos_weight=neg_over_pos"])
+    assert f"{name}: done, skipped" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="field 'reference_grey' is 'mean' in the finished cell, this command asks "
+                                         "'luma'"):
+        rc.main(["--preset", "fedmlp_blood", "--rows", "fedavg_pl", "--data", str(tmp_path / "d-s{seed}"),
+                 "--seeds", "0", "--rounds", "30", "--eval-rounds", "10,20,30", "--label", "bloodmnist-mixed-baselines",
+                 "--out", str(tmp_path / "out"), "--set", "lr=0.001", "--set", "batch_size=16", "--set",
+                 "weight_decay=0", "--set", "pos_weight=neg_over_pos", "--reference-grey", "luma"])
+
+
 def test_a_cell_of_the_same_label_but_other_settings_is_refused_naming_the_field(tmp_path, capsys):
     """A cell is found by its label: one another command wrote with other rounds, a reference setting or too few
     scored rounds stops the check with the cell and the field; a field the cell does not record is not compared."""
@@ -812,4 +838,8 @@ def test_a_cell_of_the_same_label_but_other_settings_is_refused_naming_the_field
     with pytest.raises(SystemExit, match=r"field 'eval rounds' is \[20, 40, 60\] in the finished cell, this command "
                                          r"asks \[10, 60\]"):
         rc._skipped(cell, asked, [10, 60])
+    with pytest.raises(SystemExit, match=r"field 'reference runs' is 1 in the finished cell, this command asks 3"):
+        rc._skipped(cell, asked, [60], runs=3)
     assert capsys.readouterr().out == ""
+    rc._skipped(cell, asked, [60], runs=1)
+    assert "done, skipped" in capsys.readouterr().out
