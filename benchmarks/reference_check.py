@@ -832,7 +832,11 @@ COVERAGE = [
      "and [B, B, L] and `oracle:fedadaptagg` against their reference (`benchmarks/reference/fedmix.py`) with the "
      "reference's settings (the paper's beta 2.5 for skin, Adams kept across rounds as in the released code), "
      "and both again with the plan's beta 3 (the published rows: the plan also keeps each site's Adams); "
-     "FedST, the other FedMix settings and ablations, and the embedded lesion scenario unchecked"),
+     "`fedst` [U, U, L] against its reference (`benchmarks/reference/fedst.py`) with the published row's settings "
+     "(25 pixel-only warm-up rounds, confidence 0.9, Adams kept), splits 0-5, the reference three times a split "
+     "(`ph2-UUL-fedst`; the first-seed project runs are within 0.7 pooled Dice points of the table's cells on "
+     "splits 0-2, not equal to every digit: those cells record no thread count or code); the other FedMix "
+     "settings and ablations, and the embedded lesion scenario unchecked"),
     ("`isofed`, `isofed-100`, `fedmlp` (bundle defaults, the old per-image min-max scaling)",
      "kept for the record; unchecked (the `minmax` sections are diagnostics)"),
 ]
