@@ -796,7 +796,11 @@ COVERAGE = [
      "the upper bound (`oracle:fedavg_pl`), `fedavg`, `fedavg_pl`, `fedprox`, `surgical`, `fedmlp`, `fedpsl`, "
      "`fedfixmatch`, `fednoro` and the three floor rows against their references with the published rows' "
      "settings (the `fedmlp_blood` preset's and each method's defaults), splits 0-2 (`bloodmnist-mixed-*`); "
-     "`rscfed_pl`, `composed` and its ablations unchecked (no reference)"),
+     "`rscfed_pl`, `composed` and its three ablations (`isolate=false`, `classwise_head=false`, "
+     "`consistency_weight=0`) against `benchmarks/reference/rscfed_pl.py` and `composed.py` with the published "
+     "rows' settings (the consistency weight 1.0 set on both sides), splits 0-2 (`bloodmnist-mixed-rscfed_pl`, "
+     "`-composed`, `-composed-no*`); their first-seed project runs are not the table's cells to every digit (at "
+     "most 0.9 AUROC points apart at round 30: those cells record no thread count or code)"),
     ("`partial_label_study` (embedded chest X-rays; BloodMNIST with per-image min-max scaling)",
      "on BloodMNIST with the study's settings (per-image min-max scaling, Adam 1e-3 kept across rounds, batch 16, "
      "5 local epochs, N_neg / N_pos weighting, ResNet-18 width 0.25 at 32 px; its scoring points, 80-960 local steps "
