@@ -1217,8 +1217,9 @@ def main(argv=None) -> None:
                     help="with --rows fedavg / fedavg_pl / fednoro: neither side augments (a diagnostic of where a gap "
                          "comes from)")
     ap.add_argument("--rows", help="comma-separated project rows checked against the method references "
-                                   f"(benchmarks/reference/semisup.py, surgical.py, fedmlp.py, partial_fedavg.py, fedpsl.py, "
-                                   "fedprox.py, fedfixmatch.py, fednoro.py, rscfed_pl.py, composed.py, fedmix.py, fedst.py): "
+                                   "(benchmarks/reference/semisup.py, surgical.py, fedmlp.py, partial_fedavg.py, "
+                                   "fedpsl.py, fedprox.py, fedfixmatch.py, fednoro.py, rscfed_pl.py, composed.py, "
+                                   "fedmix.py, fedst.py): "
                                    f"{', '.join(METHOD_ROWS)}; "
                                    f"each split runs the project with training seeds s and s + {SEED_OFFSET} and the "
                                    "reference once, with the reference's settings (semisup.CHECK, surgical.CHECK, "
@@ -1363,7 +1364,8 @@ def main_methods(args, config: dict | None = None) -> None:
     if wrong:
         raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl and its "
                          "ablations, fedavg, fedavg_pl, fedprox, fedfixmatch, fednoro, rscfed_pl, composed: a "
-                         "multi-label preset; fedmix, fedst: a segmentation preset; the others: a classification preset)")
+                         "multi-label preset; fedmix, fedst: a segmentation preset; the others: a classification "
+                         "preset)")
     seeds, eval_rounds = _splits(args)
     settings = _settings(args.set, rows, args.preset)
     for row in rows:  # every row's options, before the first cell trains

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import yaml
 
-from . import fedmix
+from . import fedmix, semisup
 from .fedavg_classification import dihedral_pair
 from .fedavg_segmentation import UNet, load_split, test_dice
 
@@ -119,9 +119,7 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, log=print, **settings) ->
             states.append(net.state_dict())
             counts.append(len(x))
             trained.append(k)
-        w = np.asarray(counts, dtype=np.float64) / sum(counts)
-        glob.load_state_dict({key: sum(float(wi) * st[key].double() for wi, st in zip(w, states))
-                              .to(states[0][key].dtype) for key in states[0]})
+        glob.load_state_dict(semisup.mean_state(states, counts))
         trained_log.append(trained)
         seconds.append(time.perf_counter() - t0)
         if rnd in eval_rounds:

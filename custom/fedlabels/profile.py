@@ -154,8 +154,8 @@ def label_summary(profile: SiteProfile, items: list) -> dict:
 
 
 # What a site may declare before round 0. Its case count bounds the weight of its updates (an update counts
-# the cases of one local epoch), so the server caps it: no site of a study holds ten million images. A noised summary's report
-# widens that bound by 6 noise standard deviations (noise_multiplier x clip): each is capped so that no
+# the cases of one local epoch), so the server caps it: no site of a study holds ten million images. A noised
+# summary's report widens that bound by 6 noise standard deviations (noise_multiplier x clip): each is capped so that no
 # report widens it by more than 6 x 20 x 20 = 2,400 cases (a noise multiplier above ~10 already leaves the
 # counts meaningless; a clip above the largest row norm, sqrt(1 + 2 x classes), only adds noise).
 MAX_CASES = 10_000_000
