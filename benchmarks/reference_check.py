@@ -779,16 +779,15 @@ COVERAGE = [
      "preset's Adam 1e-3, and the floor row (`local:site-1`) likewise on the same four splits (`*-floor`); on "
      "PneumoniaMNIST at both gamma also 2 labeled : 2 unlabeled and 3 : 1 (`pneumoniamnist-g*-2L2U`, `-3L1U`: "
      "`isofed`, `mt_wfedavg`, `rscfed`, the same way, on the plan's splits 0-2), and their floor rows, site-2 and "
-     "site-3 alone, in the `*-floor` sections; on BloodMNIST at both gamma 2 : 2 the same way "
-     "(`bloodmnist-g*-2L2U`, site-2 alone in `bloodmnist-g*-floor`). The published rows with the preset's own "
+     "site-3 alone, in the `*-floor` sections; on BloodMNIST at both gamma 2 : 2 and 3 : 1 the same way "
+     "(`bloodmnist-g*-2L2U`, `-3L1U`, site-2 and site-3 alone in `bloodmnist-g*-floor`). The published rows with the preset's own "
      "settings (Adam 1e-3 fresh each round, consistency weight 1, no clipping, the bundle's strong view; `--set` on "
      "both sides) on PneumoniaMNIST 1 : 3 at both gamma: `oracle:wfedavg`, `isofed`, `isofed_nopt`, `mt_wfedavg`, "
      "`rscfed` (`pneumoniamnist-g*-1L3U-preset`) and the floor (`pneumoniamnist-g*-preset-floor`, scored at rounds "
      "5, 10, 15 and 20: with a fresh optimizer at each eval round, another trajectory past round 10 than the "
      "table's); their first-seed project runs are not the table's cells (at most 1.0 accuracy points apart for the "
      "upper bound, 2.2 for `isofed_nopt`, `mt_wfedavg` and `rscfed`, 22.8 for `isofed`: those cells record no thread "
-     "count or code). BloodMNIST 3 : 1, and every BloodMNIST row and the other L:U with the preset's settings, "
-     "unchecked"),
+     "count or code). Every BloodMNIST row and the other L:U with the preset's settings unchecked"),
     ("`isofed-rscfed` (the `isofed_rscfed` preset on RSCFed's split, 1 labeled : 3 unlabeled, 60 rounds)",
      "on PneumoniaMNIST, both gamma, the plan's splits 0-2: every row, `oracle:wfedavg`, `isofed`, `mt_wfedavg` and "
      "`rscfed` (labeled multiplier 6 on both sides) against the method reference with the published rows' "
