@@ -849,8 +849,11 @@ COVERAGE = [
      "`fedst` [U, U, L] against its reference (`benchmarks/reference/fedst.py`) with the published row's settings "
      "(25 pixel-only warm-up rounds, confidence 0.9, Adams kept), splits 0-5, the reference three times a split "
      "(`ph2-UUL-fedst`; the first-seed project runs are within 0.7 pooled Dice points of the table's cells on "
-     "splits 0-2, not equal to every digit: those cells record no thread count or code); the other FedMix "
-     "settings and ablations, and the embedded lesion scenario unchecked"),
+     "splits 0-2, not equal to every digit: those cells record no thread count or code); `fedmix` [B, U, L] and "
+     "the [U, U, L] ablation lam = 0 against the reference with the published rows' settings (beta 3), splits 0-2 "
+     "(`ph2-BUL-beta3`, `ph2-UUL-lam0`; their first-seed project runs within 0.75 pooled Dice points of the plan's "
+     "cells at round 100); [I, U, L], [I, B, L], the epsilon = 0 and no-box-rule ablations, beta 2.5 as a "
+     "published row, and the embedded lesion scenario unchecked"),
     ("`isofed`, `isofed-100`, `fedmlp` (bundle defaults, the old per-image min-max scaling)",
      "kept for the record; unchecked (the `minmax` sections are diagnostics)"),
 ]
