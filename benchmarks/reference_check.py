@@ -63,6 +63,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference import fedavg_classification, fedavg_multilabel, fedavg_segmentation  # noqa: E402
@@ -1207,8 +1208,9 @@ def main(argv=None) -> None:
     ap.add_argument("--reference-scaling", choices=("fixed", "minmax"),
                     help="the reference's input scaling instead of the preset's")
     ap.add_argument("--widen", type=float, help="ResNet-18 width multiplier on both sides (MONAI's widen_factor)")
-    ap.add_argument("--image-size", type=int, help="the project's input size instead of the preset's (the reference "
-                                                  "reads the prepared files at their size: prepare with --size)")
+    ap.add_argument("--image-size", type=int,
+                    help="the project's input size instead of the preset's (the reference reads the prepared files "
+                         "at their size; the check stops before training when the two differ)")
     ap.add_argument("--per-case-augmentation", action="store_true",
                     help="the project side augments each case in the loader (the chest X-ray bundles' RandAffined and "
                          "RandAdjustContrastd) instead of the preset's per-batch augmentation, as the bundle without a preset does "
@@ -1263,6 +1265,7 @@ def main(argv=None) -> None:
     except ValueError as e:
         raise SystemExit(f"--preset {args.preset}: {e}") from None
     seeds, eval_rounds = _splits(args)
+    _check_sizes(args, seeds)
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     for seed in seeds:
@@ -1338,6 +1341,28 @@ def _splits(args) -> tuple:
     return seeds, eval_rounds
 
 
+def _check_sizes(args, seeds) -> None:
+    for seed in seeds:
+        _check_size(args, Path(args.data.replace("{seed}", str(seed))))
+
+
+def _check_size(args, data: Path) -> None:
+    """The reference reads the prepared images at their size; the project resizes them to its input size (the
+    preset's unless --image-size): two sizes would compare two problems, so that stops here."""
+    from fedlabels import presets
+    from fedlabels.bundle import read
+
+    prepared = (yaml.safe_load((data / "scenario.yaml").read_text()) or {}).get("image_size")
+    prepared = prepared[0] if isinstance(prepared, list) else prepared
+    size = args.image_size or read(presets.load(args.preset).bundle, "", preset=args.preset,
+                                   class_names=["a"])["image_size"]
+    if prepared is not None and int(prepared) != int(size):
+        how = "--image-size" if args.image_size else f"preset {args.preset!r}"
+        raise SystemExit(f"reference_check: {data / 'scenario.yaml'}: field 'image_size' is {prepared} px, but the "
+                         f"project would train at {size} px ({how}) while the reference reads the prepared {prepared} "
+                         f"px images: pass --image-size {prepared}, or prepare the split with --size {size}")
+
+
 def _settings(items: list, rows: list, preset: str | None = None) -> dict:
     """``--set KEY=VALUE`` items as reference settings; a key the rows' references do not have stops here."""
     out = {}
@@ -1379,6 +1404,7 @@ def main_methods(args, config: dict | None = None) -> None:
                            eval_rounds, bool(carry), args.preset)
         except ValueError as e:
             raise SystemExit(f"--rows {row}: {e}") from None
+    _check_sizes(args, seeds)
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     for seed in seeds:

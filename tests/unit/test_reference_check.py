@@ -798,7 +798,7 @@ def test_a_multilabel_cell_is_resumed_without_naming_the_default_grey_rule(tmp_p
     import reference_check as rc
     from fedlabels.data.synthetic import generate
 
-    generate("cxr", tmp_path / "d-s0", seed=0, size=16, cases=6, test_cases=12)
+    generate("cxr", tmp_path / "d-s0", seed=0, size=32, cases=6, test_cases=12)  # the size the preset trains at
     name = "bloodmnist-mixed-baselines-fedavg_pl-seed0.json"
     (tmp_path / "out" / "cells").mkdir(parents=True)
     shutil.copy(ROOT / "benchmarks" / "results" / "reference_check" / "cells" / name, tmp_path / "out" / "cells")
@@ -843,3 +843,24 @@ def test_a_cell_of_the_same_label_but_other_settings_is_refused_naming_the_field
     assert capsys.readouterr().out == ""
     rc._skipped(cell, asked, [60], runs=1)
     assert "done, skipped" in capsys.readouterr().out
+
+
+def test_a_split_prepared_at_another_size_than_the_project_trains_at_stops_before_training(tmp_path):
+    """The reference reads the prepared images at their size and the project resizes them to the bundle's: a
+    32 px split under the fedmix preset (which trains at 224 px) stops, naming the file and field,
+    before anything is written; given --image-size 32 the same split passes."""
+    import reference_check as rc
+    from types import SimpleNamespace
+
+    data = tmp_path / "ph2-s0"
+    data.mkdir()
+    (data / "scenario.yaml").write_text("name: x\nimage_size: [32, 32]\n")
+    with pytest.raises(SystemExit, match=r"ph2-s0/scenario.yaml: field 'image_size' is 32 px, but the project "
+                                         r"would train at 224 px \(preset 'fedmix'\).*--image-size 32"):
+        rc.main(["--preset", "fedmix", "--rows", "fedmix", "--data", str(tmp_path / "ph2-s{seed}"), "--seeds", "0",
+                 "--rounds", "1", "--label", "x", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+    rc._check_size(SimpleNamespace(preset="fedmix", image_size=32), data)  # the size it was prepared at: no stop
+    with pytest.raises(SystemExit, match="field 'image_size' is 32 px, but the project would train at 48 px "
+                                         r"\(--image-size\)"):
+        rc._check_size(SimpleNamespace(preset="fedmix", image_size=48), data)
