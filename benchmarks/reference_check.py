@@ -863,7 +863,9 @@ COVERAGE = [
      "`ph2-IUL-beta3`; their first-seed project runs within 2.3 pooled Dice points of the plan's cells at rounds "
      "25-100). The beta 2.5 rows are the `ph2-UUL` and `ph2-BBL` sections' settings: their first-seed project runs "
      "on splits 0-2 are the plan's `fedmix_beta25` and `fedmix_BBL_beta25` cells to every digit. The embedded "
-     "lesion scenario unchecked"),
+     "lesion scenario's [U, U, L] FedMix with the plan's settings (beta 3, 60 rounds), splits 0-2 "
+     "(`lesion-UUL-beta3`; its first-seed project runs within 1.7 pooled Dice points of the plan's cells); the "
+     "scenario's other rows unchecked"),
     ("`isofed`, `isofed-100`, `fedmlp` (bundle defaults, the old per-image min-max scaling)",
      "kept for the record; unchecked (the `minmax` sections are diagnostics)"),
 ]
