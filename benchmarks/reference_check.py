@@ -1353,20 +1353,20 @@ def _splits(args) -> tuple:
 
 
 def _check_sizes(args, seeds) -> None:
-    for seed in seeds:
-        _check_size(args, Path(args.data.replace("{seed}", str(seed))))
-
-
-def _check_size(args, data: Path) -> None:
     """The reference reads the prepared images at their size; the project resizes them to its input size (the
     preset's unless --image-size): two sizes would compare two problems, so that stops here."""
     from fedlabels import presets
     from fedlabels.bundle import read
 
-    prepared = (yaml.safe_load((data / "scenario.yaml").read_text()) or {}).get("image_size")
-    prepared = prepared[0] if isinstance(prepared, list) else prepared
     size = args.image_size or read(presets.load(args.preset).bundle, "", preset=args.preset,
                                    class_names=["a"])["image_size"]
+    for seed in seeds:
+        _check_size(args, Path(args.data.replace("{seed}", str(seed))), size)
+
+
+def _check_size(args, data: Path, size: int) -> None:
+    prepared = (yaml.safe_load((data / "scenario.yaml").read_text()) or {}).get("image_size")
+    prepared = prepared[0] if isinstance(prepared, list) else prepared
     if prepared is not None and int(prepared) != int(size):
         how = "--image-size" if args.image_size else f"preset {args.preset!r}"
         raise SystemExit(f"reference_check: {data / 'scenario.yaml'}: field 'image_size' is {prepared} px, but the "

@@ -846,7 +846,7 @@ def test_a_cell_of_the_same_label_but_other_settings_is_refused_naming_the_field
 
 
 def test_a_split_prepared_at_another_size_than_the_project_trains_at_stops_before_training(tmp_path):
-    """The reference reads the prepared images at their size and the project resizes them to the bundle's: a
+    """The reference reads the prepared images at their size and the project resizes them to the preset's size: a
     32 px split under the fedmix preset (which trains at 224 px) stops, naming the file and field,
     before anything is written; given --image-size 32 the same split passes."""
     import reference_check as rc
@@ -860,7 +860,7 @@ def test_a_split_prepared_at_another_size_than_the_project_trains_at_stops_befor
         rc.main(["--preset", "fedmix", "--rows", "fedmix", "--data", str(tmp_path / "ph2-s{seed}"), "--seeds", "0",
                  "--rounds", "1", "--label", "x", "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
-    rc._check_size(SimpleNamespace(preset="fedmix", image_size=32), data)  # the size it was prepared at: no stop
+    rc._check_sizes(SimpleNamespace(preset="fedmix", image_size=32, data=str(data)), [0])  # its own size: no stop
     with pytest.raises(SystemExit, match="field 'image_size' is 32 px, but the project would train at 48 px "
                                          r"\(--image-size\)"):
-        rc._check_size(SimpleNamespace(preset="fedmix", image_size=48), data)
+        rc._check_sizes(SimpleNamespace(preset="fedmix", image_size=48, data=str(data)), [0])
