@@ -862,10 +862,12 @@ COVERAGE = [
      "([B, B, L]), [I, B, L] and [I, U, L] the same way (`ph2-UUL-eps0`, `ph2-BBL-nobox`, `ph2-IBL-beta3`, "
      "`ph2-IUL-beta3`; their first-seed project runs within 2.3 pooled Dice points of the plan's cells at rounds "
      "25-100). The beta 2.5 rows are the `ph2-UUL` and `ph2-BBL` sections' settings: their first-seed project runs "
-     "on splits 0-2 are the plan's `fedmix_beta25` and `fedmix_BBL_beta25` cells to every digit. The embedded "
-     "lesion scenario's [U, U, L] FedMix with the plan's settings (beta 3, 60 rounds), splits 0-2 "
-     "(`lesion-UUL-beta3`; its first-seed project runs within 1.7 pooled Dice points of the plan's cells); the "
-     "scenario's other rows unchecked"),
+     "on splits 0-2 are the plan's `fedmix_beta25` and `fedmix_BBL_beta25` cells to every digit. On the embedded "
+     "lesion scenario with the plan's settings (beta 3, 60 rounds), splits 0-2: `fedmix` [U, U, L], [I, U, L], "
+     "[B, U, L], [B, B, L], [I, B, L], the ablations epsilon = 0, lam = 0 and [B, B, L] without the box rule, "
+     "`oracle:fedadaptagg` and `fedst` (`lesion-*`; their first-seed project runs within 1.7 pooled Dice points "
+     "of the plan's cells at round 60, 4.4 at rounds 20 and 40); the scenario's LL, FedAvg and `oracle:fedavg` "
+     "rows unchecked"),
     ("`isofed`, `isofed-100`, `fedmlp` (bundle defaults, the old per-image min-max scaling)",
      "kept for the record; unchecked (the `minmax` sections are diagnostics)"),
 ]
