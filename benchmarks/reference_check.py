@@ -825,7 +825,9 @@ COVERAGE = [
      "with the bundles' rule (`pls-blood-fedpsl-ablations`); on the embedded chest X-rays the same six rows the "
      "same way, splits 0-2, scored at rounds 1, 2, 4, 7 and 12 (81-975 steps; `pls-cxr-*`); its first-seed project "
      "runs are not the study's cells (up to 3.9-6.2 AUROC points apart per row, 1.5-7.5 on BloodMNIST); FedPSL's "
-     "ablations on the chest X-rays and the mechanism's diagnostics (probe, rho, head) unchecked"),
+     "ablation `fedpsl_tdma` on the chest X-rays the same way (`pls-cxr-fedpsl-ablations`; within 3.9 of the "
+     "study's cells); `fedpsl_tadl` on the chest X-rays and the mechanism's diagnostics (probe, rho, head) "
+     "unchecked"),
     ("`bench_cxr` (embedded chest X-rays, 64 px: FedAvg, FedAvg-PL, FedProx, Surgical, FedPSL)",
      "every row against its reference with the comparison's settings (the bundle's defaults: Adam 1e-3 kept across "
      "rounds, batch 16, N_neg / N_pos weighting, per-case augmentation, full-width ResNet-18 at 64 px; Surgical "
