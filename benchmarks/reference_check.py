@@ -23,7 +23,8 @@ Per split s (one prepared split each; ``{seed}`` in ``--data``) and row, the pro
 once: ``benchmarks/reference/semisup.py`` with ``semisup.CHECK`` (RSCFed's released values where the project
 can express them); ``surgical.py``, ``fedmlp.py``, ``partial_fedavg.py`` (FedMLP's FedAvg and FedAvg-PL),
 ``fedpsl.py``, ``fedprox.py`` (FedPSL's FedProx), ``fedfixmatch.py`` and ``fednoro.py`` (FedMLP's FedFixMatch
-and FedNoRo), ``rscfed_pl.py``, ``composed.py``, ``fedmix.py`` and ``fedst.py`` (FedMix's FedST) with their
+and FedNoRo), ``rscfed_pl.py``, ``composed.py``, ``fedmix.py`` (also FedAdaptAgg, and on a segmentation preset
+FedAvg, ``oracle:fedavg`` and the floor: Eq. 5 with lambda = 0) and ``fedst.py`` (FedMix's FedST) with their
 ``CHECK`` (the paper's values, the
 released code's or a stated choice where the paper prints none, each source in the module's ``PAPER``); both
 sides train with them
@@ -173,9 +174,11 @@ def project_cell(preset: str, data: Path, seed: int, rounds: int, eval_rounds: l
     ``--opt METHOD:key=value`` items ``opts``: test metrics per eval round. ``seed`` is the training seed
     (initialisation, sampling, augmentation); ``data`` is the one prepared split it trains on."""
     from fedlabels import bench
+    from fedlabels.bench.plan import floor_method
 
-    floor = method.startswith(f"{bench.FLOOR}:")  # a floor row: the plan of any method carries it
-    args = SimpleNamespace(data=str(data), bundle=None, methods="fedavg_pl" if floor else method, seeds=str(seed),
+    floor = method.startswith(f"{bench.FLOOR}:")  # a floor row: the plan of its kind's floor method carries it
+    methods = floor_method(REFERENCES[preset][0]) if floor else method
+    args = SimpleNamespace(data=str(data), bundle=None, methods=methods, seeds=str(seed),
                            rounds=rounds,
                            local_epochs=local_epochs, opt=list(opts or []) or None,
                            eval_rounds=",".join(map(str, eval_rounds)),
@@ -382,7 +385,8 @@ METHOD_ROWS = {"oracle:wfedavg": ("wfedavg", True), "isofed": ("isofed", False),
                "fednoro": ("fednoro", False), "rscfed_pl": ("rscfed_pl", False),
                "composed": ("composed", False),
                "mt_wfedavg": ("mt_wfedavg", False), "rscfed": ("rscfed", False), "fedmix": ("fedmix", False),
-               "oracle:fedadaptagg": ("fedadaptagg", True), "fedst": ("fedst", False)}
+               "oracle:fedadaptagg": ("fedadaptagg", True), "fedst": ("fedst", False),
+               "oracle:fedavg": ("fedavg", True)}
 # the kind of preset each row's reference trains (the others: classification)
 ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multilabel", "fedpsl_tdma": "multilabel",
             "fedpsl_tadl": "multilabel", "fedavg": "multilabel",
@@ -391,13 +395,15 @@ ROW_KIND = {"surgical": "multilabel", "fedmlp": "multilabel", "fedpsl": "multila
             "fedprox": "multilabel",
             "fedfixmatch": "multilabel", "fednoro": "multilabel", "rscfed_pl": "multilabel", "composed": "multilabel",
             "fedmix": "segmentation", "fedst": "segmentation",
-            "oracle:fedadaptagg": "segmentation"}
+            "oracle:fedadaptagg": "segmentation", "oracle:fedavg": "segmentation"}
 
 
 def row_kind(row: str, preset: str | None = None) -> str:
     """The kind of preset ``row``'s reference trains: a floor row's is its preset's (a site trained alone has a
-    reference of each kind); ``preset`` None: the floor's multi-label reference."""
-    if row in FLOOR_ROWS and preset is not None:
+    reference of each kind), and so is ``fedavg``'s on a segmentation preset (FedMix's reference at lambda = 0);
+    ``preset`` None: the multi-label reference."""
+    if preset is not None and (row in FLOOR_ROWS or
+                               (row == "fedavg" and REFERENCES[preset][0] == "segmentation")):
         return REFERENCES[preset][0]
     return ROW_KIND.get(row, "classification")
 
@@ -424,12 +430,12 @@ def project_settings(preset: str, row: str, s: dict) -> dict:
         return fedpsl_settings(preset, s, row)
     if row in ("rscfed_pl", "composed"):
         return mean_teacher_settings(preset, row, s)
+    if row_kind(row, preset) == "segmentation":
+        return fedmix_settings(preset, row, s)
     floor = row in FLOOR_ROWS
     if row in ("fedavg", "fedavg_pl", "oracle:fedavg_pl", "fedprox", "fedfixmatch", "fednoro") or \
             (floor and row_kind(row, preset) == "multilabel"):
         return partial_fedavg_settings(preset, row, s)
-    if ROW_KIND.get(row) == "segmentation":
-        return fedmix_settings(preset, row, s)
     bundle = reference_settings(preset, fedavg_loop=False)  # the preset's scaling and weak view, as the reference names them
     for key in ("scaling", "augment"):
         if bundle[key] != s[key]:
@@ -565,9 +571,10 @@ def partial_fedavg_settings(preset: str, row: str, s: dict) -> dict:
 
 
 def fedmix_settings(preset: str, row: str, s: dict) -> dict:
-    """The project's ``fedmix``, ``oracle:fedadaptagg`` or ``fedst`` row with the reference's settings ``s``
-    (fedmix.CHECK or fedst.CHECK: the paper's, the released code's where it prints none, FedST's stated choices).
-    The reference augments as the preset does (a random 90-degree turn and flip)."""
+    """The project's ``fedmix``, ``oracle:fedadaptagg``, ``fedst``, ``fedavg``, ``oracle:fedavg`` or floor row
+    with the reference's settings ``s`` (fedmix.CHECK or fedst.CHECK: the paper's, the released code's where it
+    prints none, FedST's stated choices). The reference augments as the preset does (a random 90-degree turn and
+    flip)."""
     if REFERENCES[preset][0] != "segmentation":
         raise ValueError(f"fedmix: a segmentation preset, not {preset!r}")
     if s["dice_eps"] > 1e-3:
@@ -582,9 +589,14 @@ def fedmix_settings(preset: str, row: str, s: dict) -> dict:
             raise ValueError(f"threshold {s['threshold']}: the project's FedST labels foreground above 0.5")
         client |= {"confidence": s["confidence"]}
         server = {"warmup_rounds": s["warmup_rounds"], "weighted": True}
+    elif row in FLOOR_ROWS:
+        server = {}  # a site alone: no server
+    elif row in ("fedavg", "oracle:fedavg"):
+        server = {"weighted": True}  # FedAvg by case counts
     else:
         server = {"lam": s["lam"], "beta": s["beta"]}
-    opts = [f"{row}:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
+    target = "local" if row in FLOOR_ROWS else row  # fedlabels bench's --opt local:key=value: the floor's client
+    opts = [f"{target}:{k}={json.dumps(v)}" for k, v in {**client, **server}.items()]
     return {"opts": opts, "batch_size": s["batch_size"], "local_epochs": s["epochs"], "config": {}}
 
 
@@ -596,6 +608,8 @@ def method_reference(row: str, preset: str | None = None):
 
     if row in FLOOR_ROWS and row_kind(row, preset) == "classification":
         return semisup  # wFedAvg of the one labeled site
+    if row_kind(row, preset) == "segmentation" and row != "fedst":
+        return fedmix  # FedMix, FedAdaptAgg, and FedAvg (lambda = 0) of every, the pixel-labeled or one site
 
     return {"surgical": surgical, "fedmlp": fedmlp, "fedpsl": fedpsl, "fedpsl_tdma": fedpsl, "fedpsl_tadl": fedpsl,
             "fedmix": fedmix, "fedst": fedst,
@@ -619,8 +633,6 @@ def refuse_options(row: str, augment: bool = True, grey: str | None = None, refe
                          "the first (e.g. 10,20,30)")
     from reference import fednoro, partial_fedavg
 
-    if row in FLOOR_ROWS and row_kind(row, preset) == "segmentation":
-        raise ValueError(f"{row}: the floor rows have multi-label and classification references, not {preset}'s")
     multilabel = row_kind(row, preset) == "multilabel"
     if not augment and method_reference(row, preset) not in (partial_fedavg, fednoro):
         raise ValueError(f"--no-augmentation: only the references of FedAvg, FedAvg-PL (partial_fedavg.py) and "
@@ -652,6 +664,8 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
     grey = grey or "mean"  # the bundles' rule (Ensure2DChannelsd); cells before it was an option read luma
     proj = project_settings(preset, row, s)
     proj["config"] = {**proj["config"], **(config or {})}
+    if reference is fedmix and row in FLOOR_ROWS:
+        _check_floor_site(data, row)
     runs = []
     for seed in (split, split + SEED_OFFSET):
         run = project_cell(preset, data, seed, rounds, eval_rounds, work / f"seed{seed}", config=proj["config"],
@@ -678,6 +692,11 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
                                   scaling=bundle["scaling"], widen=widen or bundle.get("widen", 1.0), **extra, **s)
                     for k in range(reference_runs)]
         ref = refs[0]
+    elif reference is fedmix and row in FLOOR_ROWS:  # the site alone: FedAvg of one site, as floor_reference maps
+        refs = [floor_reference(lambda d, r, ev, **kw: fedmix.run(d, r, ev, method="fedavg", **kw), data,
+                                eval_rounds, split + k * SEED_OFFSET, log, {**s, "only": row.split(":", 1)[1]})
+                for k in range(reference_runs)]
+        ref = refs[0]
     elif reference in (fedmix, fedst):
         kw = {"method": method, "oracle": oracle} if reference is fedmix else {}
         refs = [reference.run(data, rounds, set(eval_rounds), seed=split + k * SEED_OFFSET, log=log, **kw, **s)
@@ -699,6 +718,19 @@ def compare_methods(preset: str, row: str, data: Path, split: int, rounds: int, 
             "reference": s, **({"reference_grey": grey} if multilabel else {}),
             "project_options": proj,
             "projects": runs, "reference_run": ref}
+
+
+def _check_floor_site(data: Path, row: str) -> None:
+    """A segmentation floor trains its site's pixel masks: a site without them stops here, before training."""
+    from reference import fedmix
+
+    site = row.split(":", 1)[1]
+    if not (data / site / "datalist.json").is_file():
+        raise ValueError(f"{row}: {data / site / 'datalist.json'} is missing (the split's sites: scenario.yaml)")
+    level = fedmix.site_level(data / site)
+    if level != fedmix.PIXEL:
+        raise ValueError(f"{row}: {data / site / 'datalist.json'}: field 'training[].supervision' is {level!r}; a "
+                         "segmentation floor trains a site with pixel masks")
 
 
 def floor_reference(run, data, eval_rounds: list, seed: int, log, kw: dict) -> dict:
@@ -947,6 +979,12 @@ def _settings_text(s: dict, row: str, preset: str | None = None) -> str:
                    ". For warmup_rounds rounds only the sites with masks train; then every other site's cases learn "
                    "the received model's confident pixels (soft Dice over them), FedAvg by cases" if row == "fedst"
                    else
+                   " (epsilon, lam, beta, threshold and box_rule are FedMix's, unused here). The reference trains "
+                   "one network on its site's masks alone, on to each eval round (`floor_reference`); the project's "
+                   "floor the same way (`fedlabels.bench.run_floor`)" if row in FLOOR_ROWS else
+                   " (epsilon, lam, beta, threshold and box_rule are FedMix's, unused here). The reference trains one "
+                   "network on the pixel-labeled sites' masks (`oracle:fedavg`: every site's) and averages by case "
+                   "counts, Eq. 5 with lambda = 0" if row in ("fedavg", "oracle:fedavg") else
                    " (epsilon, threshold and box_rule are FedMix's; FedAdaptAgg trains one network on every site's "
                    "masks and aggregates by Eqs. 4-5)")
                 + f". The project's row is given the settings as options (`project_options` in each cell). Not the "
@@ -1407,9 +1445,9 @@ def main_methods(args, config: dict | None = None) -> None:
     wrong = [r for r in rows if row_kind(r, args.preset) != kind]
     if wrong:
         raise SystemExit(f"--rows {wrong}: not a method of the {kind} preset {args.preset} (surgical, fedmlp, fedpsl and its "
-                         "ablations, fedavg, fedavg_pl, fedprox, fedfixmatch, fednoro, rscfed_pl, composed: a "
-                         "multi-label preset; fedmix, fedst: a segmentation preset; the others: a classification "
-                         "preset)")
+                         "ablations, fedavg_pl, fedprox, fedfixmatch, fednoro, rscfed_pl, composed: a multi-label "
+                         "preset; fedmix, fedst, oracle:fedadaptagg, oracle:fedavg: a segmentation preset; fedavg: "
+                         "either; the floor rows: any; the others: a classification preset)")
     seeds, eval_rounds = _splits(args)
     settings = _settings(args.set, rows, args.preset)
     for row in rows:  # every row's options, before the first cell trains
@@ -1420,6 +1458,13 @@ def main_methods(args, config: dict | None = None) -> None:
         except ValueError as e:
             raise SystemExit(f"--rows {row}: {e}") from None
     _check_sizes(args, seeds)
+    for seed in seeds:
+        for row in rows:
+            if row in FLOOR_ROWS and kind == "segmentation":
+                try:
+                    _check_floor_site(Path(args.data.replace("{seed}", str(seed))), row)
+                except ValueError as e:
+                    raise SystemExit(f"reference_check: {e}") from None
     out = Path(args.out)
     (out / "cells").mkdir(parents=True, exist_ok=True)
     for seed in seeds:

@@ -15,6 +15,9 @@ nothing. Each round, at each site:
 
 FedAdaptAgg (``method="fedadaptagg"``, the paper's baseline) is step 3 with plain supervised training of
 one network on the pixel-labeled cases (``oracle=True``: every site's masks, the paper's [L, L, L] row).
+FedAvg (``method="fedavg"``, the paper's other baseline) is the same training averaged by case counts
+alone: Eq. 5 with lambda = 0 (w_i = c_i). ``only`` trains one site alone (the local-learning row, LL):
+averaging one model is that model.
 
 A site that keeps no case sends nothing that round (weight 0; the released code would train it on a
 stale loader). Images and masks are read as ``fedavg_segmentation`` reads them (each image scaled by
@@ -140,6 +143,16 @@ def update(nets, opt, x, targets, s: dict, gen: torch.Generator, augment: bool) 
     return float(np.mean(losses))
 
 
+def site_level(folder: Path) -> str:
+    """A site's supervision level as its ``datalist.json`` names it (one level a site), without reading images."""
+    items = json.loads((Path(folder) / "datalist.json").read_text())["training"]
+    levels = {it.get("supervision", NONE) for it in items}
+    if len(levels) != 1 or not levels <= {PIXEL, BOX, IMAGE, NONE}:
+        raise ValueError(f"{Path(folder) / 'datalist.json'}: field 'training[].supervision': one of pixel, bbox, "
+                         f"image, none for every case, not {sorted(levels)}")
+    return levels.pop()
+
+
 def read_site(folder: Path, oracle: bool = False):
     """A site's training cases: images (N, 3, H, W), its supervision level, and per case the mask (pixel sites)
     or the prior its weak label gives (boxes [x0, y0, x1, y1, class], exclusive ends, x along the columns).
@@ -147,11 +160,7 @@ def read_site(folder: Path, oracle: bool = False):
     if oracle:
         return (*load_split(folder, json.loads((folder / "oracle.json").read_text())["training"]), PIXEL)
     items = json.loads((folder / "datalist.json").read_text())["training"]
-    levels = {it.get("supervision", NONE) for it in items}
-    if len(levels) != 1 or not levels <= {PIXEL, BOX, IMAGE, NONE}:
-        raise ValueError(f"{folder / 'datalist.json'}: field 'training[].supervision': one of pixel, bbox, image, "
-                         f"none for every case, not {sorted(levels)}")
-    level = levels.pop()
+    level = site_level(folder)
     if level == PIXEL:
         x, y = load_split(folder, items)
         return x, y, level
@@ -169,20 +178,24 @@ def read_site(folder: Path, oracle: bool = False):
     return x, prior, level
 
 
-METHODS = ("fedmix", "fedadaptagg")
+METHODS = ("fedmix", "fedadaptagg", "fedavg")
 
 
 def run(data, rounds: int, eval_rounds, seed: int = 0, method: str = "fedmix", oracle: bool = False, log=print,
-        **settings) -> dict:
-    """FedMix, or FedAdaptAgg (``method``: the adaptive aggregation with plain supervised training of one network
-    on the pixel-labeled cases; ``oracle``: every site's masks), over the prepared scenario ``data``
-    (``settings`` over ``CHECK``): the test Dice of F1 (FedAdaptAgg: its network) per eval round."""
+        only: str | None = None, **settings) -> dict:
+    """FedMix, FedAdaptAgg or FedAvg (``method``: plain supervised training of one network on the pixel-labeled
+    cases, aggregated by Eqs. 4-5 or by case counts; ``oracle``: every site's masks; ``only``: that site alone),
+    over the prepared scenario ``data`` (``settings`` over ``CHECK``): the test Dice of F1 (FedAdaptAgg, FedAvg:
+    its network) per eval round."""
     if method not in METHODS:
         raise ValueError(f"method {method!r}: one of {METHODS}")
     s = {**CHECK, **settings}
     data = Path(data)
     scenario = yaml.safe_load((data / "scenario.yaml").read_text())
-    sites = [read_site(data / name, oracle) for name in scenario["sites"]]
+    site_names = [name for name in scenario["sites"] if only in (None, name)]
+    if not site_names:
+        raise ValueError(f"{data / 'scenario.yaml'}: field 'sites' has no site {only!r}")
+    sites = [read_site(data / name, oracle) for name in site_names]
     if not any(level == PIXEL for _, _, level in sites):
         raise ValueError(f"{data}: {method} needs a site with pixel masks")
     test = load_split(data / "test", json.loads((data / "test" / "datalist.json").read_text())["testing"])
@@ -209,7 +222,7 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, method: str = "fedmix", o
                 xs, r1, r2 = sample_and_refine(*nets, x, y, level, s, gen)
                 xs, targets, augment = xs, [r2, r1], False  # F1 learns F2's refined label, F2 learns F1's
             else:
-                continue  # FedAdaptAgg trains on masks only
+                continue  # FedAdaptAgg and FedAvg train on masks only
             if len(xs) == 0:
                 continue  # nothing kept: no update this round
             losses.append(update(nets, opt, xs, targets, s, gen, augment))
@@ -217,7 +230,7 @@ def run(data, rounds: int, eval_rounds, seed: int = 0, method: str = "fedmix", o
             counts.append(len(xs))
             states.append([net.state_dict() for net in nets])
             kept[k] = len(xs)
-        w = adaptive_weights(counts, losses, s["lam"], s["beta"])
+        w = adaptive_weights(counts, losses, 0.0 if method == "fedavg" else s["lam"], s["beta"])
         weights_log.append([round(float(v), 4) for v in w])
         for j, name in enumerate(names):
             glob[name].load_state_dict({key: sum(float(wi) * st[j][key].double() for wi, st in zip(w, states))

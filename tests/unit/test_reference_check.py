@@ -373,6 +373,47 @@ def test_the_mean_teacher_rows_get_the_references_settings_as_options_the_method
         rc.project_settings("fedmlp_blood", row, {**s, "pos_weight": "sqrt"})
 
 
+def test_the_segmentation_baselines_get_fedmixs_reference_and_options_the_methods_take(tmp_path):
+    """On a segmentation preset ``fedavg``, ``oracle:fedavg`` and a floor row are checked against FedMix's
+    reference at lambda = 0 (FedAvg by case counts; the floor: its site alone), the project given the reference's
+    client settings, FedAvg's server by case counts and the floor no server; a floor on a site without pixel
+    masks stops before anything trains, naming the file and field."""
+    import reference_check as rc
+    from fedlabels.data.synthetic import generate
+    from fedlabels.methods import get
+    from reference import fedmix
+
+    s = {**fedmix.CHECK, "beta": 3}
+    client = {"optimizer": "adam", "lr": 1e-3, "weight_decay": 1e-4, "reset_optimizer": False}
+    for row, target, server in (("fedavg", "fedavg", {"weighted": True}),
+                                ("oracle:fedavg", "oracle:fedavg", {"weighted": True}),
+                                ("local:site-3", "local", {})):
+        assert rc.method_reference(row, "fedmix") is fedmix and rc.row_kind(row, "fedmix") == "segmentation"
+        got = rc.project_settings("fedmix", row, s)
+        assert got["batch_size"] == 16 and got["local_epochs"] == 1 and got["config"] == {}
+        opts = {k.rsplit(":", 1)[1]: json.loads(v) for k, v in (o.split("=", 1) for o in got["opts"])}
+        assert {o.split("=", 1)[0].rsplit(":", 1)[0] for o in got["opts"]} == {target}
+        assert opts == {**client, **server}
+        method = get("fedavg")
+        assert set(opts) <= method.client_option_names() | method.server_option_names()
+        assert ("masks alone" if target == "local" else "averages by case counts") in rc._settings_text(s, row,
+                                                                                                        "fedmix")
+    assert rc.row_kind("fedavg", "fedmlp_blood") == "multilabel"  # elsewhere FedAvg keeps its multi-label reference
+    with pytest.raises(SystemExit, match=r"oracle:fedavg.*not a method of the classification preset"):
+        rc.main(["--preset", "isofed", "--rows", "oracle:fedavg", "--data", str(tmp_path / "x"), "--rounds", "1",
+                 "--label", "x", "--out", str(tmp_path / "out")])
+    data = generate("lesion", tmp_path / "l-s0", seed=0, size=32, cases=6, test_cases=3, sites=3,
+                    supervision=["none", "none", "pixel"])
+    with pytest.raises(SystemExit, match=r"site-1/datalist.json: field 'training\[\]\.supervision' is 'none'"):
+        rc.main(["--preset", "fedmix", "--image-size", "32", "--rows", "local:site-1", "--data",
+                 str(tmp_path / "l-s{seed}"), "--seeds", "0", "--rounds", "1", "--label", "x",
+                 "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out" / "cells").exists()  # nothing trained
+    with pytest.raises(ValueError, match="site-1/datalist.json"):
+        rc.compare_methods("fedmix", "local:site-1", data, 0, 1, [1], tmp_path / "work", image_size=32)
+    assert not (tmp_path / "work").exists()
+
+
 def test_the_fedst_row_gets_the_references_settings_as_options_the_method_takes():
     import reference_check as rc
     from fedlabels.methods import get
@@ -537,7 +578,7 @@ def test_the_floor_row_is_site_1_alone_on_both_sides(tmp_path):
 def test_a_classification_floor_row_is_the_labeled_site_alone_on_both_sides(tmp_path):
     """``local:site-1`` on a classification preset: the project's floor gets the semi-supervised reference's client
     options as ``local:`` items (no server, no unlabeled-site options); the reference is wFedAvg's on that site
-    alone; a segmentation preset's floor is refused."""
+    alone (a segmentation preset's floor: test_the_segmentation_baselines_...)."""
     import reference_check as rc
     from fedlabels.data.synthetic import generate
     from reference import semisup
@@ -549,8 +590,6 @@ def test_a_classification_floor_row_is_the_labeled_site_alone_on_both_sides(tmp_
     assert {o.split(":", 1)[0] for o in opts} == {"local"}
     assert opts["local:optimizer"] == '"sgd"' and opts["local:reset_optimizer"] == "false"
     assert not {"local:lambda_c", "local:consistency_weight", "local:warmup_rounds"} & set(opts)
-    with pytest.raises(ValueError, match="floor rows have multi-label and classification"):
-        rc.refuse_options(row, preset="fedmix")
     data = generate("medmnist", tmp_path / "m", seed=0, cases=160, test_cases=16, labeled=[0])
     cell = rc.compare_methods("isofed", row, data, 0, 2, [1, 2], tmp_path / "work", log=lambda m: None,
                               settings={"batch_size": 16})

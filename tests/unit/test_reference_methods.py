@@ -516,6 +516,39 @@ def test_fedmix_reference_rules_by_hand():
         np.testing.assert_allclose(adaptive_weights(n, loss, 10.0, 2.5), rf.adaptive_weights(n, loss, 10.0, 2.5))
 
 
+def test_fedmix_reference_fedavg_weighs_by_cases_and_one_pixel_site_is_that_site_alone(tmp_path):
+    """The reference's FedAvg (the lesion plan's FedAvg, ``oracle:fedavg`` and LL rows): Eq. 5 with lambda = 0,
+    weights the sites' case shares whatever their losses; with one pixel-labeled site, FedAvg is that site alone
+    (``only``) to every digit."""
+    import json
+
+    from fedlabels.data.synthetic import generate
+    from reference import fedmix as rf
+
+    data = generate("lesion", tmp_path / "l", seed=0, size=16, cases=10, test_cases=6, sites=3,
+                    supervision=["none", "none", "pixel"])
+    oracle = data / "site-1" / "oracle.json"  # three cases fewer at site 1: unequal counts
+    doc = json.loads(oracle.read_text())
+    doc["training"] = doc["training"][3:]
+    oracle.write_text(json.dumps(doc))
+    n = [len(json.loads((data / s / "oracle.json").read_text())["training"]) for s in ("site-1", "site-2", "site-3")]
+    assert len(set(n)) > 1, n
+    kw = {"batch_size": 4, "log": lambda m: None}
+    full = rf.run(data, 2, {2}, method="fedavg", oracle=True, **kw)
+    shares = [round(c / sum(n), 4) for c in n]
+    assert full["weights"] == [shares, shares]
+    adapt = rf.run(data, 2, {2}, method="fedadaptagg", oracle=True, **kw)  # lam 10: the losses move the weights
+    assert all(max(abs(a - b) for a, b in zip(w, shares)) > 1e-3 for w in adapt["weights"])
+    fed = rf.run(data, 2, {1, 2}, method="fedavg", **kw)
+    alone = rf.run(data, 2, {1, 2}, method="fedavg", only="site-3", **kw)
+    assert fed["weights"] == alone["weights"] == [[1.0], [1.0]]
+    assert [m["dice"] for m in fed["metrics"].values()] == [m["dice"] for m in alone["metrics"].values()]
+    with pytest.raises(ValueError, match="needs a site with pixel masks"):
+        rf.run(data, 1, {1}, method="fedavg", only="site-1", **kw)
+    with pytest.raises(ValueError, match="field 'sites' has no site 'site-9'"):
+        rf.run(data, 1, {1}, method="fedavg", only="site-9", **kw)
+
+
 def test_project_fedmix_client_equals_the_reference_over_two_rounds():
     """FedMix's box site, two rounds with Adam carried: the received F1, F2 pseudo-label the cases, refine them
     by the boxes, keep those Eq. 2 keeps (some are dropped here), and train F1 on F2's label and F2 on F1's. One
